@@ -1,0 +1,35 @@
+"""nbddp: run PyTorch DistributedDataParallel training from a Jupyter notebook.
+
+Kernel side: :func:`notebook_launch`, :class:`Run`, :func:`last_run`.
+Worker side (inside the launched function; each also works outside a launch as rank 0 of 1):
+:func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
+:func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`.
+"""
+
+from .errors import LaunchTimeout, NbddpError, SerializationError, WorkerError
+from .launch import notebook_launch
+from .run import Run, last_run
+from .worker.context import barrier, device, is_main, local_rank, print, rank, world_size
+from .worker.prepare import prepare_loader, prepare_model, unwrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LaunchTimeout",
+    "NbddpError",
+    "Run",
+    "SerializationError",
+    "WorkerError",
+    "barrier",
+    "device",
+    "is_main",
+    "last_run",
+    "local_rank",
+    "notebook_launch",
+    "prepare_loader",
+    "prepare_model",
+    "print",
+    "rank",
+    "unwrap",
+    "world_size",
+]

@@ -1,0 +1,187 @@
+"""Turn ``notebook_launch``'s arguments into a frozen :class:`LaunchPlan`.
+
+Every "auto" is resolved here and every bad argument raises ``ValueError`` here, with the fix in
+the message, so nothing downstream validates and no process starts for a call that cannot work.
+Non-goal: probing the GPUs beyond counting them (no CUDA context is created in the kernel).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Device = Literal["cuda", "cpu"]
+Backend = Literal["nccl", "gloo"]
+Display = Literal["auto", "widget", "text", "none"]
+Output = Literal["rank0", "all", "none"]
+
+_DISPLAYS = ("auto", "widget", "text", "none")
+_OUTPUTS = ("rank0", "all", "none")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one launch will do, with nothing left to resolve."""
+
+    world_size: int
+    device: Device
+    backend: Backend
+    # Kernel-visible GPU index of each rank (cuda only); equal entries mean shared GPUs.
+    gpus: tuple[int, ...] = ()
+    timeout: float | None = None
+    display: Display = "auto"
+    output: Output = "rank0"
+    return_all: bool = False
+    block: bool = True
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def in_kernel(self) -> bool:
+        """One rank runs in the kernel itself: no worker process at all."""
+        return self.world_size == 1
+
+
+def visible_gpu_count() -> int:
+    """GPUs the kernel can see, without creating a CUDA context."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def make_plan(
+    *,
+    num_workers: int | str = "auto",
+    device: str = "auto",
+    backend: str | None = None,
+    gpus: Sequence[int] | None = None,
+    timeout: float | None = None,
+    display: str = "auto",
+    output: str = "rank0",
+    return_all: bool = False,
+    block: bool = True,
+    env: Mapping[str, str] | None = None,
+    gpu_count: int | None = None,
+) -> LaunchPlan:
+    """Validate and resolve the launch options. ``gpu_count`` overrides detection (tests)."""
+    n_gpus = visible_gpu_count() if gpu_count is None else gpu_count
+
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device={device!r} is not one of 'auto', 'cuda', 'cpu'.")
+    if device == "cuda" and n_gpus == 0:
+        raise ValueError(
+            "device='cuda' but no GPU is visible to this kernel "
+            "(torch.cuda.is_available() is False). Use device='cpu' or device='auto'."
+        )
+    resolved_device: Device = ("cuda" if n_gpus else "cpu") if device == "auto" else device
+
+    if gpus is not None:
+        gpus = _check_gpus(gpus, resolved_device, n_gpus)
+
+    workers = _resolve_workers(num_workers, resolved_device, n_gpus, gpus)
+
+    if backend is None:
+        resolved_backend: Backend = "nccl" if resolved_device == "cuda" else "gloo"
+    elif backend in ("nccl", "gloo"):
+        resolved_backend = backend  # type: ignore[assignment]
+    else:
+        raise ValueError(f"backend={backend!r} is not one of 'nccl', 'gloo' (or None for auto).")
+    if resolved_backend == "nccl" and resolved_device == "cpu":
+        raise ValueError(
+            "backend='nccl' needs GPUs but this run is on the CPU. "
+            "Use backend='gloo' (or None), or device='cuda' on a machine with GPUs."
+        )
+
+    rank_gpus: tuple[int, ...] = ()
+    if resolved_device == "cuda":
+        chosen = list(gpus) if gpus is not None else list(range(n_gpus))
+        if workers > len(chosen):
+            raise ValueError(
+                f"num_workers={workers} but only {len(chosen)} GPU(s) are selected "
+                f"({chosen}). Use num_workers<={len(chosen)}, or let two ranks share a GPU "
+                "for testing with gpus=[0, 0] and backend='gloo', or device='cpu'."
+            )
+        rank_gpus = tuple(chosen[:workers])
+        if len(set(rank_gpus)) < len(rank_gpus) and resolved_backend == "nccl":
+            raise ValueError(
+                f"gpus={list(rank_gpus)} puts two ranks on one GPU, which NCCL refuses. "
+                "Pass backend='gloo' to share a GPU (a testing aid for single-GPU machines)."
+            )
+
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ValueError(f"timeout={timeout!r} must be a number of seconds or None.")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None.")
+    if display not in _DISPLAYS:
+        raise ValueError(f"display={display!r} is not one of {', '.join(map(repr, _DISPLAYS))}.")
+    if output not in _OUTPUTS:
+        raise ValueError(f"output={output!r} is not one of {', '.join(map(repr, _OUTPUTS))}.")
+
+    return LaunchPlan(
+        world_size=workers,
+        device=resolved_device,
+        backend=resolved_backend,
+        gpus=rank_gpus,
+        timeout=float(timeout) if timeout is not None else None,
+        display=display,  # type: ignore[arg-type]
+        output=output,  # type: ignore[arg-type]
+        return_all=bool(return_all),
+        block=bool(block),
+        env=_check_env(env),
+    )
+
+
+def _resolve_workers(
+    num_workers: int | str, device: Device, n_gpus: int, gpus: Sequence[int] | None
+) -> int:
+    if num_workers == "auto":
+        if device == "cpu":
+            return 1
+        return len(gpus) if gpus is not None else n_gpus
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int):
+        raise ValueError(
+            f"num_workers={num_workers!r} must be an int >= 1 or 'auto' (one per visible GPU)."
+        )
+    if num_workers < 1:
+        raise ValueError(
+            f"num_workers={num_workers} must be at least 1 (1 runs the function in the kernel)."
+        )
+    if device == "cpu" and num_workers > (os.cpu_count() or 1) * 4:
+        raise ValueError(
+            f"num_workers={num_workers} CPU workers on {os.cpu_count()} cores would thrash; "
+            "use at most 4 per core."
+        )
+    return num_workers
+
+
+def _check_gpus(gpus: Sequence[int], device: Device, n_gpus: int) -> tuple[int, ...]:
+    if device == "cpu":
+        raise ValueError("gpus= selects GPUs, but device='cpu'. Drop gpus= or use device='cuda'.")
+    if isinstance(gpus, (str, bytes)) or not isinstance(gpus, Sequence) or not gpus:
+        raise ValueError(f"gpus={gpus!r} must be a non-empty list of GPU indices, e.g. [0, 1].")
+    for index in gpus:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"gpus={list(gpus)!r}: {index!r} is not a GPU index (an int).")
+        if not 0 <= index < n_gpus:
+            raise ValueError(
+                f"gpus={list(gpus)!r}: GPU {index} does not exist; this kernel sees {n_gpus} "
+                f"GPU(s), indices 0..{n_gpus - 1}."
+            )
+    return tuple(gpus)
+
+
+def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise ValueError(f"env={env!r} must be a mapping of names to strings.")
+    for key, value in env.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(
+                f"env[{key!r}]={value!r}: environment names and values must be strings "
+                "(write str(value))."
+            )
+    return dict(env)

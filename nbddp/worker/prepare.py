@@ -1,0 +1,161 @@
+"""Make a model and a DataLoader ready for this rank, the way a DDP script would by hand.
+
+``prepare_loader`` changes exactly these things (everything else is kept as the loader had it):
+
+* with more than one rank, the sampler becomes a ``DistributedSampler`` over the same dataset
+  (shuffling when the loader shuffled; seed 0 on every rank, so shards are disjoint), and each
+  new pass over the loader moves the sampler to the next epoch: no ``set_epoch`` calls needed;
+* with ``move_to_device`` and a non-CPU device, each batch (tensors inside tuples, lists, dicts,
+  namedtuples) arrives on ``nbddp.device()``.
+
+Loaders over an ``IterableDataset`` cannot be sharded by a sampler: they are passed through
+with a warning, and the dataset should shard itself with ``nbddp.rank()``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from .context import device, rank, world_size
+
+__all__ = ["prepare_loader", "prepare_model", "unwrap"]
+
+
+def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
+    """Move ``model`` to this rank's device and, with more than one rank, wrap it in DDP.
+
+    ``ddp_kwargs`` go to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``).
+    """
+    if isinstance(model, DistributedDataParallel):
+        return model
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"prepare_model expects a torch.nn.Module, got {type(model).__name__}.")
+    target = device()
+    model = model.to(target)
+    if world_size() == 1:
+        return model
+    if target.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [target.index])
+        ddp_kwargs.setdefault("output_device", target.index)
+    return DistributedDataParallel(model, **ddp_kwargs)
+
+
+def unwrap(model: Any) -> Any:
+    """The module inside a DDP (or ``torch.compile``) wrapper; anything else unchanged."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def prepare_loader(loader: DataLoader, move_to_device: bool = True) -> DataLoader:
+    """Shard ``loader`` across the ranks and deliver its batches on this rank's device."""
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"prepare_loader expects a DataLoader, got {type(loader).__name__}.")
+    if isinstance(loader, _PreparedLoader):
+        return loader
+    target = device() if move_to_device else None
+    if target is not None and target.type == "cpu":
+        target = None
+    shard = world_size() > 1
+    if isinstance(loader.dataset, IterableDataset):
+        if shard:
+            warnings.warn(
+                "prepare_loader cannot shard a DataLoader over an IterableDataset: every rank "
+                "will see the same data. Shard inside the dataset with nbddp.rank() and "
+                "nbddp.world_size().",
+                stacklevel=2,
+            )
+        shard = False
+    if not shard and target is None:
+        return loader
+
+    sampler = loader.sampler
+    if shard:
+        sampler = _distributed_sampler(loader)
+    return _PreparedLoader(loader, sampler=sampler, target=target)
+
+
+def _distributed_sampler(loader: DataLoader) -> DistributedSampler:
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        return sampler
+    custom_batches = loader.batch_sampler is not None and loader.batch_size is None
+    if custom_batches or not isinstance(sampler, (RandomSampler, SequentialSampler)):
+        raise ValueError(
+            f"prepare_loader cannot shard a DataLoader with a custom "
+            f"{'batch_sampler' if custom_batches else type(sampler).__name__}. Give the "
+            "DataLoader a DistributedSampler(dataset, num_replicas=nbddp.world_size(), "
+            "rank=nbddp.rank()) yourself, then prepare_loader keeps it."
+        )
+    return DistributedSampler(
+        loader.dataset,
+        num_replicas=world_size(),
+        rank=rank(),
+        shuffle=isinstance(sampler, RandomSampler),
+        seed=0,
+    )
+
+
+class _PreparedLoader(DataLoader):
+    """A copy of the user's DataLoader with our sampler, stepping epochs and moving batches."""
+
+    def __init__(self, original: DataLoader, *, sampler: Any, target: torch.device | None):
+        settings: dict[str, Any] = {
+            "batch_size": original.batch_size,
+            "drop_last": original.drop_last,
+            "num_workers": original.num_workers,
+            "collate_fn": original.collate_fn,
+            "pin_memory": original.pin_memory,
+            "timeout": original.timeout,
+            "worker_init_fn": original.worker_init_fn,
+            "multiprocessing_context": original.multiprocessing_context,
+            "generator": original.generator,
+            "persistent_workers": original.persistent_workers,
+        }
+        if original.num_workers > 0:
+            settings["prefetch_factor"] = original.prefetch_factor
+        if original.batch_size is None and original.batch_sampler is not None:
+            settings["batch_sampler"] = original.batch_sampler
+            del settings["batch_size"], settings["drop_last"]
+        else:
+            settings["sampler"] = sampler
+        super().__init__(original.dataset, **settings)
+        self._target = target
+        self._epoch = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        batches = super().__iter__()
+        if self._target is None:
+            return batches
+        return (_to_device(batch, self._target) for batch in batches)
+
+
+def _to_device(batch: Any, target: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(target, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _to_device(v, target) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_to_device(v, target) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, target) for v in batch)
+    return batch

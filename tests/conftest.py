@@ -1,0 +1,106 @@
+"""Shared fixtures: a guard that fails any test leaving a process or a temp dir behind, and a
+real Jupyter kernel (jupyter_client) for tests that must run where users run."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+
+def _descendants() -> dict[int, psutil.Process]:
+    alive = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive[proc.pid] = proc
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def _our_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"nbddp-{os.getpid()}-*")))
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers() -> Iterator[None]:
+    """Fail a test that leaves a new child process (at any depth) or a private dir behind."""
+    before = set(_descendants())
+    dirs_before = _our_dirs()
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        new = {pid: p for pid, p in _descendants().items() if pid not in before}
+        if not new or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for proc in new.values():
+        proc.kill()
+    assert not new, f"processes left behind: {[p.pid for p in new.values()]}"
+    assert _our_dirs() <= dirs_before, "a run's private directory was left behind"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA; run on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class Kernel:
+    """A real IPython kernel, driven the way a notebook frontend drives it."""
+
+    def __init__(self) -> None:
+        from jupyter_client.manager import KernelManager
+
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel(cwd=os.getcwd())
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.process.pid
+
+    def run(self, code: str, timeout: float = 120) -> tuple[str, dict]:
+        """Execute a cell; return its text output (stdout, stderr, results) and the reply."""
+        chunks: list[str] = []
+
+        def collect(msg: dict) -> None:
+            content = msg["content"]
+            if msg["msg_type"] == "stream":
+                chunks.append(content["text"])
+            elif msg["msg_type"] in ("execute_result", "display_data"):
+                chunks.append(content["data"].get("text/plain", "") + "\n")
+            elif msg["msg_type"] == "error":
+                chunks.append("\n".join(content["traceback"]))
+
+        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=collect)
+        return "".join(chunks), reply["content"]
+
+    def shutdown(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="session")
+def kernel_factory() -> Iterator[type[Kernel]]:
+    yield Kernel
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Kernel]:
+    k = Kernel()
+    yield k
+    k.shutdown()

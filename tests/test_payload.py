@@ -1,0 +1,94 @@
+"""What travels: by value from the notebook, named precisely when it cannot travel, and
+returned with tensors on the CPU and DDP unwrapped."""
+
+import sys
+import threading
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from nbddp import SerializationError
+from nbddp.payload import dumps, dumps_call, loads, to_cpu
+
+LOCK = threading.Lock()
+
+
+def uses_global_lock():
+    return LOCK.locked()
+
+
+@pytest.fixture
+def like_notebook_code():
+    """Pickle this module's functions by value, as cloudpickle does for notebook cells."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+class Holder:
+    def __init__(self):
+        self.config = {"lr": 0.1, "guard": threading.Lock()}
+
+
+def test_global_lock_is_named_with_its_path(like_notebook_code):
+    with pytest.raises(SerializationError) as info:
+        dumps_call(uses_global_lock, (), {})
+    message = str(info.value)
+    assert "uses_global_lock -> global 'LOCK' -> _thread.lock" in message
+    assert "uses_global_lock to the workers" in message
+    assert "inside the function" in message  # says what to do
+    assert isinstance(info.value, TypeError)
+
+
+def test_closure_and_nested_attribute_paths():
+    holder = Holder()
+
+    def train():
+        return holder
+
+    with pytest.raises(SerializationError, match=r"closure 'holder' -> attribute 'config' -> "
+                       r"\['guard'\] -> _thread.lock"):
+        dumps_call(train, (), {})
+
+
+def test_arguments_are_named_too():
+    with pytest.raises(SerializationError, match=r"kwargs\['opt'\] -> _thread.lock"):
+        dumps_call(print, (), {"opt": threading.Lock()})
+    with pytest.raises(SerializationError, match=r"args\[1\] -> \[0\] -> _thread.lock"):
+        dumps_call(print, (1, [threading.Lock()]), {})
+
+
+def test_lambdas_closures_and_local_classes_travel_by_value():
+    scale = 3
+
+    class Local:
+        def double(self, x):
+            return 2 * x * scale
+
+    data = dumps_call(lambda x: Local().double(x), (7,), {})
+    fn, args, kwargs = cloudpickle.loads(data)
+    assert fn(*args, **kwargs) == 42
+
+
+def test_results_are_unwrapped_from_ddp():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        back = loads(dumps({"model": model}, what="test", root="result"))
+    finally:
+        dist.destroy_process_group()
+    assert type(back["model"]) is torch.nn.Linear
+    assert torch.equal(back["model"].weight, model.module.weight)
+
+
+def test_to_cpu_walks_containers_and_unwraps():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        out = to_cpu({"m": model, "xs": [torch.ones(1)], "n": 3})
+    finally:
+        dist.destroy_process_group()
+    assert type(out["m"]) is torch.nn.Linear
+    assert out["n"] == 3 and out["xs"][0].device.type == "cpu"
