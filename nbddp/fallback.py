@@ -83,16 +83,18 @@ def run_in_kernel(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: Launc
 def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchPlan, run: Run) -> None:
     thread_id = threading.get_ident()
     lock = threading.Lock()
-    state = {"returned": False, "reason": None}
+    # Raise inside the thread only while fn itself runs, never inside our own setup/teardown.
+    state: dict[str, Any] = {"phase": "setup", "reason": None}
 
     def abort(reason: str) -> None:
         with lock:
-            if state["returned"] or state["reason"] is not None:
+            if state["reason"] is not None or state["phase"] == "returned":
                 return
             state["reason"] = reason
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(thread_id), ctypes.py_object(_Abort)
-            )
+            if state["phase"] == "calling":
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(thread_id), ctypes.py_object(_Abort)
+                )
 
     run._stopper = lambda: abort("stopped")
     timer = threading.Timer(plan.timeout, abort, ("timeout",)) if plan.timeout else None
@@ -101,11 +103,15 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchPlan, r
         timer.start()
     try:
         with single_rank_world(plan):
+            with lock:
+                if state["reason"] is not None:
+                    raise _Abort
+                state["phase"] = "calling"
             try:
                 value = fn(*args, **kwargs)
             finally:
                 with lock:
-                    state["returned"] = True
+                    state["phase"] = "returned"
         run._finish("succeeded", payload.to_cpu(value))
     except _Abort:
         if state["reason"] == "timeout":

@@ -56,7 +56,8 @@ def test_auto_resolves_to_one_in_kernel_rank_without_gpus():
 
 def test_auto_uses_every_gpu_with_nccl():
     plan = make_plan(gpu_count=4)
-    assert (plan.world_size, plan.device, plan.backend, plan.gpus) == (4, "cuda", "nccl", (0, 1, 2, 3))
+    resolved = (plan.world_size, plan.device, plan.backend, plan.gpus)
+    assert resolved == (4, "cuda", "nccl", (0, 1, 2, 3))
 
 
 def test_gpu_selection_and_sharing():

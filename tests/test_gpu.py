@@ -1,0 +1,46 @@
+"""GPU paths; skipped without CUDA (see conftest), run on a GPU machine when one is lent."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import nbddp
+
+pytestmark = pytest.mark.gpu
+
+
+def where_am_i() -> dict:
+    import torch.distributed as dist
+
+    t = torch.ones(1, device=nbddp.device()) * (nbddp.rank() + 1)
+    dist.all_reduce(t)
+    return {
+        "device": str(nbddp.device()),
+        "backend": dist.get_backend(),
+        "sum": t,  # on the GPU here; must arrive on the CPU
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "pid": os.getpid(),
+    }
+
+
+def test_fallback_on_cuda_runs_in_the_kernel():
+    facts = nbddp.notebook_launch(where_am_i, num_workers=1, device="cuda")
+    assert facts["pid"] == os.getpid() and facts["device"] == "cuda:0"
+    assert facts["sum"].device.type == "cpu" and facts["sum"].item() == 1.0
+
+
+def test_two_worker_subprocesses_share_one_gpu_with_gloo():
+    both = nbddp.notebook_launch(where_am_i, gpus=[0, 0], backend="gloo", return_all=True)
+    assert [f["device"] for f in both] == ["cuda:0", "cuda:0"]
+    assert all(f["pid"] != os.getpid() for f in both)
+    assert both[0]["sum"].device.type == "cpu" and both[0]["sum"].item() == 3.0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_on_every_gpu():
+    facts = nbddp.notebook_launch(where_am_i, return_all=True)
+    assert [f["backend"] for f in facts] == ["nccl"] * torch.cuda.device_count()
+    assert facts[1]["device"] == "cuda:1"
