@@ -3,13 +3,15 @@
 Kernel side: :func:`notebook_launch`, :class:`Run`, :func:`last_run`.
 Worker side (inside the launched function; each also works outside a launch as rank 0 of 1):
 :func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
-:func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`.
+:func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`,
+:func:`log`, :func:`progress`.
 """
 
 from .errors import LaunchTimeout, NbddpError, SerializationError, WorkerError
 from .launch import notebook_launch
 from .run import Run, last_run
 from .worker.context import barrier, device, is_main, local_rank, print, rank, world_size
+from .worker.live import log, progress
 from .worker.prepare import prepare_loader, prepare_model, unwrap
 
 __version__ = "0.1.0"
@@ -25,10 +27,12 @@ __all__ = [
     "is_main",
     "last_run",
     "local_rank",
+    "log",
     "notebook_launch",
     "prepare_loader",
     "prepare_model",
     "print",
+    "progress",
     "rank",
     "unwrap",
     "world_size",

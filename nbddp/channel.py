@@ -8,6 +8,9 @@ Messages are small tuples of plain values; user objects inside them are pickled 
 the kernel unpickles separately (``payload.loads``). Worker -> kernel:
 
     ("hello", rank)                 first message of each connection
+    ("device", rank, name)          rank 0's device, for the panel's header
+    ("log", rank, (first, rows))    averaged by the kernel: row k is every rank's k-th log
+    ("progress", rank, bars)        a snapshot of rank 0's progress bars
     ("result", rank, bytes | None)  fn returned (value pickled for rank 0 / return_all)
     ("error", rank, ErrorReport)    fn raised; the rank exits non-zero next
     ("unsendable", rank, path, reason)  the return value cannot travel back

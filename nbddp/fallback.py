@@ -10,6 +10,7 @@ bytecodes; code blocked in one long native call is interrupted when it returns t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -21,6 +22,7 @@ from . import payload
 from .errors import LaunchTimeout, WorkerError
 from .plan import LaunchPlan
 from .run import Run
+from .worker import live
 from .worker.context import Context, installed
 from .worker.report import format_user_traceback
 from .workers import free_port
@@ -69,7 +71,9 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
 
 def run_in_kernel(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchPlan) -> Any:
     """Blocking: return the value or raise. Non-blocking: return a running :class:`Run`."""
-    run = Run(plan)
+    run = Run(plan, device_name=_device_name(plan))
+    run._show(plan.display, blocking=plan.block)
+    run.state.set_running()
     if not plan.block:
         thread = threading.Thread(
             target=_call, args=(fn, args, kwargs, plan, run), name="nbddp-fallback", daemon=True
@@ -84,14 +88,14 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchPlan, r
     thread_id = threading.get_ident()
     lock = threading.Lock()
     # Raise inside the thread only while fn itself runs, never inside our own setup/teardown.
-    state: dict[str, Any] = {"phase": "setup", "reason": None}
+    phase: dict[str, Any] = {"phase": "setup", "reason": None}
 
     def abort(reason: str) -> None:
         with lock:
-            if state["reason"] is not None or state["phase"] == "returned":
+            if phase["reason"] is not None or phase["phase"] == "returned":
                 return
-            state["reason"] = reason
-            if state["phase"] == "calling":
+            phase["reason"] = reason
+            if phase["phase"] == "calling":
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(
                     ctypes.c_ulong(thread_id), ctypes.py_object(_Abort)
                 )
@@ -101,20 +105,29 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchPlan, r
     if timer is not None:
         timer.daemon = True
         timer.start()
+    state = run.state
+    buffer = live.LiveBuffer(
+        lambda kind, data: state.add_rows(0, *data) if kind == "log" else state.set_bars(data)
+    )
+    # A blocking call owns the cell: its prints go to the panel, like a worker's would.
+    panel = plan.block and run._display is not None and run._display.mode == "widget"
+    redirect = _redirected(state.as_stream()) if panel else contextlib.nullcontext()
+    previous_buffer = live.install(buffer)
     try:
-        with single_rank_world(plan):
+        with single_rank_world(plan), redirect:
             with lock:
-                if state["reason"] is not None:
+                if phase["reason"] is not None:
                     raise _Abort
-                state["phase"] = "calling"
+                phase["phase"] = "calling"
             try:
                 value = fn(*args, **kwargs)
             finally:
                 with lock:
-                    state["phase"] = "returned"
+                    phase["phase"] = "returned"
+                buffer.close()
         run._finish("succeeded", payload.to_cpu(value))
     except _Abort:
-        if state["reason"] == "timeout":
+        if phase["reason"] == "timeout":
             run._finish("failed", error=LaunchTimeout(plan.timeout))
         else:
             run._finish("stopped")
@@ -129,5 +142,21 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchPlan, r
         error.__cause__ = exc
         run._finish("failed", error=error)
     finally:
+        buffer.close()  # idempotent; also when the run ended before fn was called
+        live.install(previous_buffer)
         if timer is not None:
             timer.cancel()
+
+
+@contextlib.contextmanager
+def _redirected(stream: Any) -> Iterator[None]:
+    with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+        yield
+
+
+def _device_name(plan: LaunchPlan) -> str:
+    if plan.device != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(plan.gpus[0])

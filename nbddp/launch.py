@@ -53,10 +53,17 @@ def notebook_launch(
 
     call = payload.dumps_call(fn, args, kwargs)  # SerializationError before any process
     _warn_if_kernel_holds_gpus(plan)
-    run = Run(plan)
-    group = WorkerGroup(plan, call, on_finish=run._finish)
+    run = Run(plan, device_name="cpu" if plan.device == "cpu" else "GPU")
+    run._show(plan.display, blocking=plan.block)
+    panel = run._display is not None and run._display.mode == "widget"
+    group = WorkerGroup(plan, call, run.state, on_finish=run._finish,
+                        output=run.state.as_stream() if panel else None)
     run._stopper = group.stop
-    group.start()
+    try:
+        group.start()
+    except BaseException as exc:
+        run._finish("failed", error=exc)
+        raise
     if not plan.block:
         return run
     try:

@@ -41,10 +41,12 @@ class _Stream:
 class OutputPump:
     """Reads the workers' pipes until every one of them is closed."""
 
-    def __init__(self, mode: Output) -> None:
+    def __init__(self, mode: Output, target: TextIO | None = None) -> None:
+        """``target`` receives both streams (the live panel); default: the launching cell's
+        own ``sys.stdout`` and ``sys.stderr``."""
         self._mode = mode
-        self._stdout = sys.stdout
-        self._stderr = sys.stderr
+        self._stdout = target or sys.stdout
+        self._stderr = target or sys.stderr
         self._streams: list[_Stream] = []
         self._tails: dict[int, collections.deque[str]] = {}
         self._selector = selectors.DefaultSelector()
@@ -55,9 +57,10 @@ class OutputPump:
         shown = self._mode == "all" or (self._mode == "rank0" and rank == 0)
         prefix = f"[rank {rank}] " if self._mode == "all" else ""
         tail = self._tails.setdefault(rank, collections.deque(maxlen=_TAIL_LINES))
-        for fd, target in ((stdout_fd, self._stdout), (stderr_fd, self._stderr)):
+        for fd, target, is_err in ((stdout_fd, self._stdout, False),
+                                   (stderr_fd, self._stderr, True)):
             stream = _Stream(rank, fd, target if shown else None, prefix)
-            if target is self._stderr:
+            if is_err:
                 stream.tail = tail
             self._streams.append(stream)
             self._selector.register(fd, selectors.EVENT_READ, stream)

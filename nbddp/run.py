@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from .display import LiveDisplay
+from .display.state import RunState
 from .errors import NbddpError
 from .plan import LaunchPlan
 
@@ -26,13 +28,15 @@ class Run:
     ``status`` is "running", then one of "succeeded", "failed" or "stopped".
     """
 
-    def __init__(self, plan: LaunchPlan, stopper: Callable[[], None] | None = None) -> None:
+    def __init__(self, plan: LaunchPlan, device_name: str | None = None) -> None:
         global _last
         self.world_size = plan.world_size
         self.device = plan.device
         self.backend = plan.backend
-        self.history: list[dict[str, Any]] = []
-        self._stopper = stopper
+        self.state = RunState(plan.world_size, plan.device, plan.backend,
+                              device_name or plan.device)
+        self._display: LiveDisplay | None = None
+        self._stopper: Callable[[], None] | None = None
         self._status: Status = "running"
         self._value: Any = None
         self._error: BaseException | None = None
@@ -41,9 +45,22 @@ class Run:
         self._done = threading.Event()
         _last = self
 
+    def _show(self, mode: str, blocking: bool) -> None:
+        """Start the live view (``display=`` of the launch); "none" shows nothing."""
+        if mode != "none":
+            self._display = LiveDisplay(self.state, mode, self.stop, blocking)
+
     @property
     def status(self) -> Status:
         return self._status
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The metrics of ``nbddp.log``, averaged across ranks: one dict per row, in order,
+        with ``step`` and, where known, ``epoch``. See ``display.state.History`` for the
+        memory policy of very long runs."""
+        with self.state.changed:
+            return list(self.state.history.rows())
 
     @property
     def duration(self) -> float:
@@ -80,6 +97,9 @@ class Run:
     ) -> None:
         if self._done.is_set():
             return
+        self.state.finish(status, error)
+        if self._display is not None:  # the final panel is drawn before anyone is told
+            self._display.close()
         self._value, self._error = value, error
         self._ended = time.monotonic()
         self._status = status

@@ -28,10 +28,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 from . import payload
 from .channel import KernelChannel
+from .display.state import RunState
 from .errors import LaunchTimeout, NbddpError, SerializationError, WorkerError
 from .output import OutputPump
 from .plan import LaunchPlan
@@ -222,11 +223,12 @@ class WorkerGroup:
     """One run's processes from start to teardown; calls ``on_finish(status, value, error)``
     exactly once, after the teardown."""
 
-    def __init__(self, plan: LaunchPlan, call: bytes,
+    def __init__(self, plan: LaunchPlan, call: bytes, state: RunState,
                  on_finish: Callable[[str, Any, BaseException | None], None],
-                 starter: Starter | None = None) -> None:
+                 output: TextIO | None = None, starter: Starter | None = None) -> None:
         self.plan = plan
         self._call = call
+        self._state = state
         self._on_finish = on_finish
         self._starter = starter or default_starter()
         self._workers: list[WorkerProcess] = []
@@ -241,7 +243,8 @@ class WorkerGroup:
         self._finished = threading.Event()
         self._dir = ""
         self._channel: KernelChannel | None = None
-        self._pump = OutputPump(plan.output)
+        self._pump = OutputPump(plan.output, output)
+        self._hello: set[int] = set()
         self._monitor: threading.Thread | None = None
 
     # lifecycle
@@ -304,6 +307,9 @@ class WorkerGroup:
     def _on_connect(self, rank: int, conn: Connection) -> None:
         with self._conn_lock:
             self._conns[conn] = rank
+            self._hello.add(rank)
+            if len(self._hello) == self.plan.world_size:
+                self._state.set_running()
         self._wake()
 
     def _wake(self) -> None:
@@ -363,7 +369,14 @@ class WorkerGroup:
 
     def _handle(self, message: tuple) -> None:
         kind, rank = message[0], message[1]
-        if kind == "result":
+        if kind == "log":
+            first, rows = message[2]
+            self._state.add_rows(rank, first, rows)
+        elif kind == "progress":
+            self._state.set_bars(message[2])
+        elif kind == "device":
+            self._state.device_name = message[2]
+        elif kind == "result":
             self._results[rank] = message[2]
         elif kind == "error":
             self._failures.append(_Failure(message[2]["time"], _rebuild_error(rank, message[2])))

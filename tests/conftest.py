@@ -73,16 +73,21 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def run(self, code: str, timeout: float = 120) -> tuple[str, dict]:
-        """Execute a cell; return its text output (stdout, stderr, results) and the reply."""
+    def run(self, code: str, timeout: float = 120,
+            messages: list[dict] | None = None) -> tuple[str, dict]:
+        """Execute a cell; return its output as text (streams, results, the HTML of displays
+        and display updates) and the reply. ``messages`` collects every iopub message."""
         chunks: list[str] = []
 
         def collect(msg: dict) -> None:
+            if messages is not None:
+                messages.append(msg)
             content = msg["content"]
             if msg["msg_type"] == "stream":
                 chunks.append(content["text"])
-            elif msg["msg_type"] in ("execute_result", "display_data"):
-                chunks.append(content["data"].get("text/plain", "") + "\n")
+            elif msg["msg_type"] in ("execute_result", "display_data", "update_display_data"):
+                data = content["data"]
+                chunks.append(data.get("text/html", data.get("text/plain", "")) + "\n")
             elif msg["msg_type"] == "error":
                 chunks.append("\n".join(content["traceback"]))
 
@@ -102,5 +107,6 @@ def kernel_factory() -> Iterator[type[Kernel]]:
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[Kernel]:
     k = Kernel()
+    k.run("import time\nimport torch\nimport nbddp")
     yield k
     k.shutdown()

@@ -20,7 +20,6 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def test_function_class_and_closure_defined_in_cells(kernel):
-    kernel.run("import nbddp, torch")
     kernel.run(
         "class Doubler(torch.nn.Module):\n"
         "    def forward(self, x):\n"
@@ -65,9 +64,9 @@ def test_interrupt_stops_every_worker_and_the_next_launch_works(kernel):
             kernel.manager.interrupt_kernel()
 
     started = time.monotonic()
-    reply = kernel.client.execute_interactive(
-        "nbddp.notebook_launch(forever, num_workers=2, device='cpu')",
-        timeout=120, output_hook=interrupt_once_started,
+    reply = kernel.client.execute_interactive(  # text display: rank 0's prints are streams
+        "nbddp.notebook_launch(forever, num_workers=2, device='cpu', display='text')",
+        timeout=60, output_hook=interrupt_once_started,
     )
     assert interrupted, "the workers never printed"
     assert reply["content"]["ename"] == "KeyboardInterrupt"

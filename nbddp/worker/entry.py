@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .. import channel, payload
+from . import live
 from .report import error_report
 
 _EXIT_GRACE = 10.0  # seconds a finished worker may spend in interpreter shutdown
@@ -104,6 +105,9 @@ def _run(job_dir: str, spec: dict[str, Any], rank: int, reporter: _Reporter) -> 
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
+        if rank == 0:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            reporter.send("device", rank, name)
         dist.init_process_group(
             backend=spec["backend"], init_method="env://",
             rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
@@ -112,8 +116,13 @@ def _run(job_dir: str, spec: dict[str, Any], rank: int, reporter: _Reporter) -> 
             rank=rank, local_rank=int(os.environ["LOCAL_RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]), device=device,
         )
+        buffer = live.LiveBuffer(lambda kind, data: reporter.send(kind, rank, data))
+        live.install(buffer)
         with installed(context):
-            value = fn(*args, **kwargs)
+            try:
+                value = fn(*args, **kwargs)
+            finally:
+                buffer.close()  # every logged row reaches the kernel before the outcome
     except SystemExit as exc:
         if exc.code in (None, 0):
             value = None

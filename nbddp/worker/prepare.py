@@ -28,6 +28,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from . import live
 from .context import device, rank, world_size
 
 __all__ = ["prepare_loader", "prepare_model", "unwrap"]
@@ -142,6 +143,7 @@ class _PreparedLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         if isinstance(self.sampler, DistributedSampler):
             self.sampler.set_epoch(self._epoch)
+        live.set_epoch(self._epoch)
         self._epoch += 1
         batches = super().__iter__()
         if self._target is None:

@@ -1,0 +1,171 @@
+"""HTML for the panel's parts, used live by the widget and frozen into the static summary.
+
+Self-contained markup (inline styles, inline SVG charts, no scripts), so a saved notebook shows
+the result on GitHub, in nbviewer and after a kernel restart, where widget state is gone.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+from .state import RunState
+
+_COLORS = {"starting": "#6b7280", "running": "#2563eb", "succeeded": "#16a34a",
+           "failed": "#dc2626", "stopped": "#d97706"}
+_LINE_COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#d97706", "#0891b2"]
+_FONT = "font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 12px;"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def format_number(value: float) -> str:
+    if value == 0 or math.isnan(value) or math.isinf(value):
+        return str(value)
+    magnitude = abs(value)
+    return f"{value:.4g}" if 1e-3 <= magnitude < 1e5 else f"{value:.3e}"
+
+
+def bar_text(bar: dict[str, Any]) -> str:
+    """tqdm's format: ``desc  40%  4/10 [00:02<00:03, 2.00 it/s]``."""
+    n, total, rate = bar["n"], bar["total"], bar.get("rate")
+    parts = [bar["desc"] + ":" if bar["desc"] else ""]
+    if total:
+        parts.append(f"{100 * n / total:3.0f}%")
+        parts.append(f"{n}/{total}")
+    else:
+        parts.append(f"{n}")
+    timing = format_duration(bar["elapsed"])
+    if total and rate:
+        timing += f"<{format_duration(max(0, total - n) / rate)}"
+    if rate:
+        timing += f", {rate:.2f} it/s" if rate >= 1 else f", {1 / rate:.2f} s/it"
+    parts.append(f"[{timing}]")
+    return " ".join(p for p in parts if p)
+
+
+def header_html(state: RunState) -> str:
+    color = _COLORS.get(state.status, "#6b7280")
+    label = {"succeeded": "done", "failed": "failed", "stopped": "stopped"}.get(
+        state.status, state.status)
+    where = f"{state.world_size} × {html.escape(state.device_name)} ({state.backend})"
+    line = (f'<span style="background:{color};color:white;border-radius:3px;padding:1px 6px">'
+            f"{label}</span> nbddp · {where} · {format_duration(state.elapsed)}")
+    if state.ended is not None and state.status == "succeeded":
+        line += f" · finished in {state.elapsed:.1f} s"
+    if state.error_line:
+        line += (f'<div style="color:{_COLORS["failed"]};margin-top:2px">'
+                 f"{html.escape(state.error_line)}</div>")
+    return f'<div style="{_FONT}">{line}</div>'
+
+
+def bars_html(state: RunState) -> str:
+    bars = state.snapshot_bars()
+    if not bars:
+        return ""
+    failed = state.status in ("failed", "stopped")
+    rows = []
+    for bar in bars:
+        color = _COLORS["failed"] if failed and not bar["closed"] else _COLORS["running"]
+        if bar["closed"] and not failed:
+            color = _COLORS["succeeded"]
+        value = bar["n"] if bar["total"] else 0
+        maximum = bar["total"] or 1
+        indent = 16 * bar["level"]
+        rows.append(
+            f'<div class="nbddp-bar" style="{_FONT}margin-left:{indent}px;display:flex;'
+            f'align-items:center;gap:8px">'
+            f'<progress value="{value}" max="{maximum}" style="width:240px;accent-color:{color}">'
+            f"</progress><span>{html.escape(bar_text(bar))}</span></div>"
+        )
+    return "".join(rows)
+
+
+def metrics_html(state: RunState) -> str:
+    latest = dict(state.metrics.latest)
+    if not latest:
+        return ""
+    steps = len(state.history) and state.history.steps[-1]
+    cells = "".join(
+        f'<tr><td style="padding:1px 12px 1px 0">{html.escape(name)}</td>'
+        f'<td style="text-align:right">{format_number(value)}</td></tr>'
+        for name, value in latest.items()
+    )
+    caption = (f"averaged over {state.world_size} rank{'s' if state.world_size > 1 else ''}, "
+               f"step {steps}")
+    notes = "".join(f'<div style="color:#d97706">{html.escape(n)}</div>'
+                    for n in state.metrics.notes)
+    return (f'<table class="nbddp-metrics" style="{_FONT}border-collapse:collapse">'
+            f'<caption style="text-align:left;color:#6b7280">{caption}</caption>{cells}</table>'
+            f"{notes}")
+
+
+def chart_svg(state: RunState) -> str:
+    """One small line chart per metric, against step."""
+    history = state.history
+    charts = [
+        _line_chart(name, history.series(name), _LINE_COLORS[index % len(_LINE_COLORS)])
+        for index, name in enumerate(list(history.columns))
+    ]
+    charts = [chart for chart in charts if chart]
+    if not charts:
+        return ""
+    return f'<div style="display:flex;flex-wrap:wrap;gap:8px">{"".join(charts)}</div>'
+
+
+def _line_chart(name: str, points: list[tuple[float, float]], color: str,
+                width: int = 260, height: int = 110) -> str:
+    points = [(x, y) for x, y in points if math.isfinite(y)]
+    if len(points) < 2:
+        return ""
+    x0, x1 = points[0][0], points[-1][0]
+    y0, y1 = min(y for _, y in points), max(y for _, y in points)
+    if y1 == y0:
+        y0, y1 = y0 - 0.5, y1 + 0.5
+    left, bottom, top = 44, 16, 14
+    w, h = width - left - 4, height - bottom - top
+    path = " ".join(
+        f"{left + (x - x0) / ((x1 - x0) or 1) * w:.1f},{top + (1 - (y - y0) / (y1 - y0)) * h:.1f}"
+        for x, y in points
+    )
+    return (
+        f'<svg class="nbddp-chart" width="{width}" height="{height}" '
+        f'xmlns="http://www.w3.org/2000/svg" style="{_FONT}">'
+        f'<text x="{left}" y="10" font-size="11">{html.escape(name)}</text>'
+        f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#e5e7eb"/>'
+        f'<text x="{left - 3}" y="{top + 8}" font-size="9" text-anchor="end">'
+        f"{format_number(y1)}</text>"
+        f'<text x="{left - 3}" y="{top + h}" font-size="9" text-anchor="end">'
+        f"{format_number(y0)}</text>"
+        f'<text x="{left}" y="{height - 3}" font-size="9">{int(x0)}</text>'
+        f'<text x="{left + w}" y="{height - 3}" font-size="9" text-anchor="end">'
+        f"step {int(x1)}</text>"
+        f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{path}"/></svg>'
+    )
+
+
+def output_html(state: RunState) -> str:
+    lines = list(state.output)
+    if not lines:
+        return ""
+    dropped = (f'<div style="color:#6b7280">… {state.output_dropped} earlier lines not shown'
+               "</div>" if state.output_dropped else "")
+    text = html.escape("".join(lines))
+    return (f'<details open><summary style="{_FONT}color:#6b7280">rank 0 output</summary>'
+            f'{dropped}<pre class="nbddp-output" style="{_FONT}max-height:240px;overflow:auto;'
+            f'margin:2px 0">{text}</pre></details>')
+
+
+def summary_html(state: RunState) -> str:
+    """The whole panel as static HTML: what a saved notebook keeps."""
+    parts = [header_html(state), bars_html(state), metrics_html(state), chart_svg(state),
+             output_html(state)]
+    body = "".join(f"<div style='margin:4px 0'>{p}</div>" for p in parts if p)
+    style = "border-left:3px solid #e5e7eb;padding-left:8px"
+    return f'<div class="nbddp-summary" style="{style}">{body}</div>'
