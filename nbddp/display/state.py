@@ -43,14 +43,18 @@ class History:
         n = len(self.steps)
         self.steps.append(step)
         self.epochs.append(-1 if epoch is None else epoch)
-        for name, value in values.items():
-            column = self.columns.get(name)
-            if column is None:
-                column = self.columns[name] = array("d", [math.nan]) * n
-            column.append(value)
-        for name, column in self.columns.items():
-            if name not in values:
-                column.append(math.nan)
+        columns = self.columns
+        if values.keys() == columns.keys():
+            for name, value in values.items():
+                columns[name].append(value)
+        else:
+            for name, value in values.items():
+                if name not in columns:
+                    columns[name] = array("d", [math.nan]) * n
+                columns[name].append(value)
+            for name, column in columns.items():
+                if name not in values:
+                    column.append(math.nan)
         self._cache = None
         if len(self.steps) >= self.max_rows:
             self._halve()
@@ -78,18 +82,22 @@ class History:
             self._cache = rows
         return self._cache
 
-    def series(self, name: str, points: int = 300) -> list[tuple[float, float]]:
-        """(step, value) pairs of one metric, averaged into at most ``points`` buckets."""
-        column = self.columns[name]
-        pairs = [(s, v) for s, v in zip(self.steps, column, strict=True) if not math.isnan(v)]
-        if len(pairs) <= points:
-            return [(float(s), v) for s, v in pairs]
-        size = len(pairs) / points
+    def series(self, name: str, points: int = 300, window: int = 8) -> list[tuple[float, float]]:
+        """At most ``points`` (step, value) pairs of one metric for a chart: evenly spaced
+        samples, each the mean of up to ``window`` rows. O(points), however long the run."""
+        column, steps = self.columns[name], self.steps
+        n = len(steps)
+        if n <= points:
+            indices = range(n)
+            window = 1
+        else:
+            indices = [int(i * (n - 1) / (points - 1)) for i in range(points)]
+            window = min(window, max(1, n // points))
         out = []
-        for b in range(points):
-            bucket = pairs[int(b * size):int((b + 1) * size)] or pairs[-1:]
-            out.append((sum(s for s, _ in bucket) / len(bucket),
-                        sum(v for _, v in bucket) / len(bucket)))
+        for i in indices:
+            values = [v for v in column[max(0, i - window + 1):i + 1] if not math.isnan(v)]
+            if values:
+                out.append((float(steps[i]), sum(values) / len(values)))
         return out
 
 
@@ -110,10 +118,17 @@ class MetricsAggregator:
         self._next = 0
 
     def add(self, rank: int, first: int, rows: list[tuple[int | None, dict[str, float]]]) -> None:
-        for offset, row in enumerate(rows):
-            self._pending.setdefault(first + offset, {})[rank] = row
-        while len(self._pending.get(self._next, ())) == self.world_size:
-            self._emit(self._next)
+        pending = self._pending
+        for step, row in enumerate(rows, first):
+            by_rank = pending.get(step)
+            if by_rank is None:
+                pending[step] = {rank: row}
+            else:
+                by_rank[rank] = row
+        world, step = self.world_size, self._next
+        while len(pending.get(step, ())) == world:
+            self._emit(step)
+            step += 1
 
     def finish(self) -> None:
         for step in sorted(self._pending):
@@ -122,6 +137,15 @@ class MetricsAggregator:
     def _emit(self, step: int) -> None:
         by_rank = self._pending.pop(step)
         self._next = step + 1
+        rows = list(by_rank.values())
+        epoch = by_rank[0][0] if 0 in by_rank else rows[0][0]
+        keys = rows[0][1].keys()
+        if all(values.keys() == keys for _, values in rows):  # the common case, kept fast
+            n = len(rows)
+            averaged = {k: sum(values[k] for _, values in rows) / n for k in keys}
+            self.latest.update(averaged)
+            self.history.append(step, epoch, averaged)
+            return
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         for _, values in by_rank.values():
@@ -135,7 +159,6 @@ class MetricsAggregator:
                 f"row {step}: not every rank logged {', '.join(partial)}; each metric is "
                 "averaged over the ranks that logged it."
             )
-        epoch = by_rank.get(0, next(iter(by_rank.values())))[0]
         self.latest.update(averaged)
         self.history.append(step, epoch, averaged)
 

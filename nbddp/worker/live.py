@@ -12,6 +12,7 @@ Row k of the history is the k-th ``log`` call of every rank, averaged by the ker
 
 from __future__ import annotations
 
+import collections
 import numbers
 import threading
 import time
@@ -52,8 +53,8 @@ class LiveBuffer:
 
     def __init__(self, sink: Sink) -> None:
         self._sink = sink
-        self._lock = threading.Lock()
-        self._rows: list[tuple[int | None, dict[str, Any]]] = []
+        self._lock = threading.Lock()  # for bars and flushing; log() appends without it
+        self._rows: collections.deque[tuple[int | None, dict[str, Any]]] = collections.deque()
         self._sent = 0  # rows already handed to the sink
         self._bars: list[_Bar] = []  # the active stack, outermost first
         self._closed: list[dict[str, Any]] = []  # bars closed since the last snapshot
@@ -66,15 +67,17 @@ class LiveBuffer:
 
     # called on the training thread
 
-    def log(self, values: dict[str, Any]) -> None:
-        row = {name: _scalar(name, value) for name, value in values.items()}
-        with self._lock:
-            self._rows.append((self._epoch(), row))
-
-    def _epoch(self) -> int | None:
-        if len(self._bars) >= 2:  # nested bars: the outer one counts epochs
-            return self._bars[0].n
-        return self.epoch
+    def log(self, row: dict[str, Any]) -> None:
+        """``row`` is a fresh dict the caller gives away: converted in place, no copy."""
+        for name, value in row.items():  # the common cases inline: this runs every step
+            if type(value) is float:
+                continue
+            if type(value) is torch.Tensor and value.is_cpu and value.numel() == 1:
+                row[name] = value.item()  # reading a CPU tensor never waits for a device
+            else:
+                row[name] = _scalar(name, value)
+        bars = self._bars  # nested bars: the outer one counts epochs
+        self._rows.append((bars[0].n if len(bars) >= 2 else self.epoch, row))  # atomic
 
     def open_bar(self, desc: str | None, total: int | None) -> _Bar:
         with self._lock:
@@ -104,7 +107,7 @@ class LiveBuffer:
 
     def flush(self, bars: bool = True) -> None:
         with self._lock:
-            rows, self._rows = self._rows, []
+            rows = [self._rows.popleft() for _ in range(len(self._rows))]
             first = self._sent
             self._sent += len(rows)
             snapshot = None
@@ -131,8 +134,12 @@ def _scalar(name: str, value: Any) -> Any:
                 f"nbddp.log: {name!r} must be a scalar, got a tensor of shape "
                 f"{list(value.shape)}; log {name}.mean() or one element."
             )
-        return value.detach().reshape(())
-    if isinstance(value, numbers.Real):  # int, float, bool, numpy scalars
+        if value.device.type == "cpu":
+            return value.item()  # reading a CPU tensor never waits for a device
+        return value.detach()  # read later, by the flusher, in one copy per device
+    if isinstance(value, float):
+        return value
+    if isinstance(value, numbers.Real):  # int, bool, numpy scalars
         return float(value)
     raise TypeError(
         f"nbddp.log: {name!r} must be a number or a one-element tensor, got "
@@ -143,15 +150,17 @@ def _scalar(name: str, value: Any) -> Any:
 def _to_floats(
     rows: list[tuple[int | None, dict[str, Any]]],
 ) -> list[tuple[int | None, dict[str, float]]]:
-    """One device-to-host copy per device for all tensors of all rows."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    """Device tensors become floats with one device-to-host copy per (device, dtype, shape)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for _, row in rows:
         for value in row.values():
             if isinstance(value, torch.Tensor):
-                by_device.setdefault(value.device, []).append(value)
+                groups.setdefault((value.device, value.dtype, value.shape), []).append(value)
+    if not groups:
+        return rows
     floats: dict[int, float] = {}
-    for tensors in by_device.values():
-        values = torch.stack([t.to(torch.float64) for t in tensors]).cpu().tolist()
+    for tensors in groups.values():
+        values = torch.stack(tensors).reshape(-1).to(torch.float64).cpu().tolist()
         floats.update(zip(map(id, tensors), values, strict=True))
     return [
         (epoch, {k: floats[id(v)] if isinstance(v, torch.Tensor) else v for k, v in row.items()})
@@ -182,9 +191,12 @@ def log(metrics: Mapping[str, Any] | None = None, /, **named: Any) -> None:
     ``run.history`` (with its ``step`` and, where known, ``epoch``), shown live. The call never
     waits for the GPU or the network.
     """
-    values = dict(metrics or {}, **named)
-    if _buffer is not None and values:
-        _buffer.log(values)
+    if _buffer is None:
+        return
+    if metrics:
+        named = {**metrics, **named}
+    if named:
+        _buffer.log(named)  # a dict of our own: the call made it
 
 
 def progress(
