@@ -101,9 +101,10 @@ def metrics_html(state: RunState) -> str:
                f"step {steps}")
     notes = "".join(f'<div style="color:#d97706">{html.escape(n)}</div>'
                     for n in state.metrics.notes)
-    return (f'<table class="nbddp-metrics" style="{_FONT}border-collapse:collapse">'
-            f'<caption style="text-align:left;color:#6b7280">{caption}</caption>{cells}</table>'
-            f"{notes}")
+    return (f'<div style="{_FONT}color:#6b7280;white-space:nowrap">{caption}</div>'
+            f'<table class="nbddp-metrics" style="{_FONT}border-collapse:collapse">'
+            f'<tr><th style="text-align:left;padding-right:12px">metric</th>'
+            f'<th style="text-align:right">mean</th></tr>{cells}</table>{notes}')
 
 
 def chart_svg(state: RunState) -> str:
@@ -126,8 +127,9 @@ def _line_chart(name: str, points: list[tuple[float, float]], color: str,
         return ""
     x0, x1 = points[0][0], points[-1][0]
     y0, y1 = min(y for _, y in points), max(y for _, y in points)
-    if y1 == y0:
-        y0, y1 = y0 - 0.5, y1 + 0.5
+    if y1 == y0:  # a constant: a narrow band around it, not ±0.5
+        pad = abs(y0) * 0.1 or 0.5
+        y0, y1 = y0 - pad, y1 + pad
     left, bottom, top = 44, 16, 14
     w, h = width - left - 4, height - bottom - top
     path = " ".join(

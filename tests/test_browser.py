@@ -1,0 +1,139 @@
+"""What a person sees: JupyterLab on loopback, the notebook opened in headless Chromium, a
+~10 s run executed, the live panel read from the page's DOM while it runs.
+
+Needs Debian's chromium (``apt-get install chromium``; ``.ci/run`` installs it), Playwright and
+JupyterLab (the ``dev`` extra). Without them the test is skipped with the reason, never passed.
+Set ``NBDDP_SCREENSHOT=path.png`` to keep the mid-run screenshot (the README's picture).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nbddp.workers import free_port
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CELL = """\
+import time
+import nbddp
+
+def train(steps=100):
+    for epoch in nbddp.progress(range(2), desc="epoch"):
+        for step in nbddp.progress(range(steps // 2), desc="batch"):
+            time.sleep(0.1)
+            nbddp.log(loss=1.0 / (1 + epoch * steps + step) + nbddp.rank(), lr=0.01)
+        print(f"epoch {epoch} done", flush=True)
+    return "trained"
+
+nbddp.notebook_launch(train, num_workers=2, device="cpu")
+"""
+
+
+def _missing() -> str | None:
+    if CHROMIUM is None:
+        return "Debian's chromium is not installed (apt-get install chromium)"
+    for module in ("playwright", "jupyterlab"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not installed (pip install -e '.[dev]')"
+    return None
+
+
+@pytest.fixture
+def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    port, token = free_port(), secrets.token_hex(16)
+    notebook = {
+        "cells": [{"cell_type": "code", "metadata": {}, "source": CELL, "outputs": [],
+                   "execution_count": None}],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                    "language": "python"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    }
+    (tmp_path / "live.ipynb").write_text(json.dumps(notebook))
+    log = open(tmp_path / "jupyterlab.log", "w")  # noqa: SIM115 - closed below
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+         f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={tmp_path}", "--LabApp.news_url=", "--ServerApp.port_retries=0",
+         "--allow-root"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config")},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("JupyterLab did not start:\n" +
+                                (tmp_path / "jupyterlab.log").read_text()[-3000:])
+                time.sleep(0.3)
+        yield f"{base}/lab/tree/live.ipynb?token={token}", tmp_path
+    finally:
+        server.terminate()  # shuts its kernels down too
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+@pytest.mark.slow
+def test_live_panel_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
+    reason = _missing()
+    if reason:
+        pytest.skip(f"browser test cannot run here: {reason}")
+    from playwright.sync_api import sync_playwright
+
+    url, folder = jupyterlab
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM,
+                                             args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(url)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
+            page.click(".jp-Cell .cm-content")
+            page.keyboard.press("Shift+Enter")
+
+            page.wait_for_selector(".nbddp-panel .nbddp-bar progress", timeout=90_000)
+            seen: list[int] = []
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline and len(set(seen)) < 3:
+                values = page.eval_on_selector_all(
+                    ".nbddp-panel .nbddp-bar progress", "bars => bars.map(b => b.value)")
+                seen.append(sum(int(v) for v in values))
+                time.sleep(0.5)
+            assert len(set(seen)) >= 3 and seen == sorted(seen), f"progress did not rise: {seen}"
+
+            page.wait_for_selector(".nbddp-panel .nbddp-metrics", timeout=30_000)
+            table = page.inner_text(".nbddp-panel .nbddp-metrics")
+            assert "loss" in table and "lr" in table
+            assert "averaged over 2 ranks" in page.inner_text(".nbddp-panel")
+            shot = folder / "live-widget.png"
+            page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
+            if os.environ.get("NBDDP_SCREENSHOT"):
+                shutil.copy(shot, os.environ["NBDDP_SCREENSHOT"])
+
+            page.wait_for_selector(".nbddp-summary", timeout=60_000)  # the static summary
+            summary = page.inner_text(".nbddp-summary")
+            assert "done" in summary and "epoch 1 done" in summary
+        finally:
+            browser.close()
