@@ -228,3 +228,51 @@ def test_summary_svg_has_the_curve():
     state.finish("succeeded", None)
     html = summary_html(state)
     assert html.count("<polyline") == 1 and "loss" in html
+
+
+def test_background_panel_updates_between_cells_and_its_stop_button_works(kernel):
+    kernel.run(
+        "def slow():\n"
+        "    for step in nbddp.progress(range(10_000), desc='slow'):\n"
+        "        nbddp.log(loss=float(step))\n"
+        "        time.sleep(0.02)\n"
+    )
+    messages: list[dict] = []
+    out, reply = kernel.run(
+        "run = nbddp.notebook_launch(slow, num_workers=2, device='cpu', block=False)",
+        messages=messages)
+    assert reply["status"] == "ok", out
+    button = next(m["content"]["comm_id"] for m in messages if m["msg_type"] == "comm_open"
+                  and m["content"]["data"]["state"].get("_model_name") == "ButtonModel")
+    assert not next(m for m in messages if m["content"].get("comm_id") == button)[
+        "content"]["data"]["state"]["disabled"]  # usable: the cell is not busy
+
+    later: list[dict] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            "nbddp-bar" in v for v in _widget_values(later)):
+        kernel.run("x = 1", messages=later)  # other cells run while the panel updates
+        time.sleep(0.5)
+    assert any("nbddp-bar" in v for v in _widget_values(later))
+
+    kernel.client.session.send(kernel.client.shell_channel.socket, "comm_msg", {
+        "comm_id": button, "data": {"method": "custom", "content": {"event": "click"}}})
+    deadline = time.monotonic() + 20
+    status = ""
+    while time.monotonic() < deadline and status != "stopped":
+        status, _ = kernel.run("print(run.status, end='')")
+        time.sleep(0.2)
+    assert status == "stopped"
+
+
+def test_fallback_shows_the_same_panel(kernel):
+    kernel.run("def short():\n    for s in nbddp.progress(range(5)):\n"
+               "        nbddp.log(loss=float(s))\n        print('step', s)\n")
+    messages: list[dict] = []
+    out, reply = kernel.run("nbddp.notebook_launch(short, num_workers=1)", messages=messages)
+    assert reply["status"] == "ok", out
+    shown = next(m for m in messages if m["msg_type"] == "display_data")["content"]["data"]
+    assert "application/vnd.jupyter.widget-view+json" in shown
+    final = [m for m in messages if m["msg_type"] == "update_display_data"][-1]["content"]
+    html = final["data"]["text/html"]
+    assert "1 × cpu" in html and "nbddp-metrics" in html and "step 4" in html
