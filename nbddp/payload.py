@@ -17,7 +17,7 @@ import linecache
 import pickle
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -29,16 +29,56 @@ _MAX_DEPTH = 40
 
 
 class _TransferPickler(cloudpickle.Pickler):
-    """cloudpickle, plus: tensors leave their device for the CPU and DDP wrappers drop away."""
+    """cloudpickle, plus: tensors leave their device for the CPU and DDP wrappers drop away.
+
+    With a ``buffer_callback`` (``dumps_oob``), a dense tensor's bytes are not copied into the
+    pickle stream: they travel as an out-of-band buffer that views the tensor's own memory.
+    """
+
+    def __init__(self, file: io.BytesIO, buffer_callback: Callable[[Any], Any] | None = None):
+        super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
+        self._out_of_band = buffer_callback is not None
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None:
-            if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
-                return _cpu_copy(torch, obj).__reduce_ex__(PROTOCOL)
-            if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+            if isinstance(obj, torch.Tensor):
+                moved = obj.device.type not in ("cpu", "meta")
+                tensor = _cpu_copy(torch, obj) if moved else obj
+                if self._out_of_band and _is_plain_dense(torch, tensor):
+                    return _tensor_as_buffer(torch, tensor)
+                if moved:
+                    return tensor.__reduce_ex__(PROTOCOL)
+            elif isinstance(obj, torch.nn.parallel.DistributedDataParallel):
                 return _identity, (obj.module,)
         return super().reducer_override(obj)
+
+
+def _is_plain_dense(torch: Any, tensor: Any) -> bool:
+    return (type(tensor) in (torch.Tensor, torch.nn.Parameter)
+            and tensor.layout == torch.strided and not tensor.is_quantized
+            and tensor.device.type == "cpu" and "numpy" in sys.modules)
+
+
+def _tensor_as_buffer(torch: Any, tensor: Any) -> tuple:
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return _rebuild_tensor, (pickle.PickleBuffer(data), tensor.dtype, tuple(tensor.shape),
+                             tensor.requires_grad, isinstance(tensor, torch.nn.Parameter))
+
+
+def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple, requires_grad: bool,
+                    parameter: bool) -> Any:
+    import torch
+
+    raw = memoryview(buffer)
+    if raw.nbytes:  # the received bytearray becomes the tensor's memory: no copy
+        flat = torch.frombuffer(raw if not raw.readonly else bytearray(raw), dtype=torch.uint8)
+    else:
+        flat = torch.empty(0, dtype=torch.uint8)
+    tensor = flat.view(dtype).reshape(shape)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if tensor.is_floating_point() else tensor
 
 
 def _cpu_copy(torch: Any, tensor: Any) -> Any:
@@ -86,12 +126,34 @@ def dumps_call(fn: Any, args: tuple, kwargs: dict) -> bytes:
 
 def _dumps(obj: Any) -> bytes:
     buffer = io.BytesIO()
-    _TransferPickler(buffer, protocol=PROTOCOL).dump(obj)
+    _TransferPickler(buffer).dump(obj)
     return buffer.getvalue()
 
 
-def loads(data: bytes) -> Any:
-    return pickle.loads(data)
+def dumps_oob(obj: Any, *, what: str, root: str) -> tuple[bytes, list[memoryview]]:
+    """Like :func:`dumps`, but tensor bytes stay out of the stream: returns the stream and the
+    buffers (views of the tensors' memory) to send after it, for ``loads(stream, buffers)``."""
+    buffers: list[memoryview] = []
+    stream = io.BytesIO()
+    try:
+        _TransferPickler(stream, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
+    except Exception as exc:
+        path, reason = locate_unpicklable(obj, root, exc)
+        raise SerializationError(what, path, reason) from None
+    return stream.getvalue(), buffers
+
+
+def check_picklable(obj: Any) -> BaseException | None:
+    """Would ``obj`` travel? Cheap for tensors: their bytes are not copied to find out."""
+    try:
+        _TransferPickler(io.BytesIO(), buffer_callback=lambda b: None).dump(obj)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def loads(data: bytes, buffers: list[Any] | None = None) -> Any:
+    return pickle.loads(data, buffers=buffers)
 
 
 def locate_unpicklable(obj: Any, root: str, error: BaseException) -> tuple[str, str]:

@@ -234,7 +234,7 @@ class WorkerGroup:
         self._workers: list[WorkerProcess] = []
         self._conns: dict[Connection, int] = {}
         self._conn_lock = threading.Lock()
-        self._results: dict[int, bytes | None] = {}
+        self._results: dict[int, tuple[bytes, list[bytearray]] | None] = {}
         self._failures: list[_Failure] = []
         self._stop_requested = False
         self._wake_r, self._wake_w = os.pipe()
@@ -361,13 +361,13 @@ class WorkerGroup:
         """Read every message waiting on ``conn``; forget it at EOF."""
         try:
             while conn.poll():
-                self._handle(conn.recv())
+                self._handle(conn.recv(), conn)
         except (EOFError, OSError):
             with self._conn_lock:
                 self._conns.pop(conn, None)
             conn.close()
 
-    def _handle(self, message: tuple) -> None:
+    def _handle(self, message: tuple, conn: Connection) -> None:
         kind, rank = message[0], message[1]
         if kind == "log":
             first, rows = message[2]
@@ -377,7 +377,11 @@ class WorkerGroup:
         elif kind == "device":
             self._state.device_name = message[2]
         elif kind == "result":
-            self._results[rank] = message[2]
+            stream, sizes = message[2], message[3]
+            buffers = [bytearray(size) for size in sizes]
+            for buffer in buffers:  # straight from the socket into the tensors' future memory
+                conn.recv_bytes_into(buffer)
+            self._results[rank] = None if stream is None else (stream, buffers)
         elif kind == "error":
             self._failures.append(_Failure(message[2]["time"], _rebuild_error(rank, message[2])))
         elif kind == "unsendable":
@@ -410,9 +414,9 @@ class WorkerGroup:
     def _collect(self) -> tuple[str, Any, BaseException | None]:
         try:
             if self.plan.return_all:
-                value = [payload.loads(self._results[r]) for r in range(self.plan.world_size)]
+                value = [payload.loads(*self._results[r]) for r in range(self.plan.world_size)]
             else:
-                value = payload.loads(self._results[0])
+                value = payload.loads(*self._results[0])
         except Exception as exc:
             return "failed", None, NbddpError(
                 f"the return value arrived but cannot be rebuilt in the notebook ({exc!r}); "

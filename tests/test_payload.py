@@ -92,3 +92,22 @@ def test_to_cpu_walks_containers_and_unwraps():
         dist.destroy_process_group()
     assert type(out["m"]) is torch.nn.Linear
     assert out["n"] == 3 and out["xs"][0].device.type == "cpu"
+
+
+def test_out_of_band_tensors_round_trip_without_copying_into_the_stream():
+    from nbddp.payload import dumps_oob
+
+    big = torch.arange(100_000, dtype=torch.float32)
+    shared = torch.nn.Parameter(torch.ones(3, 2))
+    value = {
+        "big": big, "bf16": torch.ones(4, dtype=torch.bfloat16) / 3, "ints": torch.arange(5),
+        "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5), "strided": torch.ones(4, 4).t(),
+        "param": shared, "again": shared, "flag": torch.tensor([True, False]),
+    }
+    stream, buffers = dumps_oob(value, what="test", root="value")
+    assert len(stream) < 10_000  # the 400 kB of `big` are not in the stream
+    back = loads(stream, [bytearray(b) for b in buffers])
+    for name, tensor in value.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert isinstance(back["param"], torch.nn.Parameter) and back["param"] is back["again"]
+    back["big"] += 1  # writable memory, not a read-only view of a message

@@ -53,6 +53,13 @@ class _Reporter:
         with self._lock:
             self.conn.send(message)
 
+    def send_result(self, stream: bytes | None, buffers: list[memoryview]) -> None:
+        """The value's pickle stream, then each tensor buffer straight from its memory."""
+        with self._lock:
+            self.conn.send(("result", self.rank, stream, [b.nbytes for b in buffers]))
+            for buffer in buffers:
+                self.conn.send_bytes(buffer)
+
 
 def _die_with_kernel(conn: Connection, reporter: _Reporter) -> None:
     try:
@@ -138,11 +145,12 @@ def _run(job_dir: str, spec: dict[str, Any], rank: int, reporter: _Reporter) -> 
 
     try:
         wanted = rank == 0 or spec["return_all"]
-        data = payload.dumps(value, what="", root="result") if wanted else None
+        stream, buffers = (payload.dumps_oob(value, what="the result", root="result")
+                           if wanted else (None, []))
     except payload.SerializationError as exc:
         reporter.send("unsendable", rank, exc.path, exc.reason)
         return 1
-    reporter.send("result", rank, data)
+    reporter.send_result(stream, buffers)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
