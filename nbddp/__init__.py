@@ -16,6 +16,19 @@ from .worker.prepare import prepare_loader, prepare_model, unwrap
 
 __version__ = "0.1.0"
 
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext nbddp``: registers the ``%%ddp`` cell magic."""
+    from .magic import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: object) -> None:
+    from .magic import unload_ipython_extension as unload
+
+    unload(ipython)
+
 __all__ = [
     "LaunchTimeout",
     "NbddpError",

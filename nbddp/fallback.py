@@ -71,6 +71,7 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
 
 def run_in_kernel(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchPlan) -> Any:
     """Blocking: return the value or raise. Non-blocking: return a running :class:`Run`."""
+    __tracebackhide__ = True  # IPython: show the user's frames, not ours
     run = Run(plan, device_name=_device_name(plan))
     run._show(plan.display, blocking=plan.block)
     run.state.set_running()

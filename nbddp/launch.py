@@ -37,6 +37,7 @@ def notebook_launch(
     rank and raises :class:`nbddp.WorkerError` here; a kernel interrupt ends every rank and
     raises ``KeyboardInterrupt``. See API.md for each option.
     """
+    __tracebackhide__ = True  # IPython: show the user's frames, not ours
     if not callable(fn):
         raise ValueError(f"fn must be a callable (your training function), got {fn!r}.")
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
@@ -48,6 +49,12 @@ def notebook_launch(
         num_workers=num_workers, device=device, backend=backend, gpus=gpus, timeout=timeout,
         display=display, output=output, return_all=return_all, block=block, env=env,
     )
+    return launch_plan(fn, args, kwargs, plan)
+
+
+def launch_plan(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchPlan) -> Any:
+    """Run a resolved plan: in the kernel for one rank, else in worker processes."""
+    __tracebackhide__ = True  # IPython: show the user's frames, not ours
     if plan.in_kernel:
         return run_in_kernel(fn, args, kwargs, plan)
 

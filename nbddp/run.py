@@ -73,13 +73,14 @@ class Run:
 
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's return value (every rank's with ``return_all``), or raise the run's error."""
+        __tracebackhide__ = True  # IPython: show the user's frames, not ours
         if not self._done.wait(timeout):
             raise TimeoutError(
                 f"the run is still going after waiting {timeout:g} s; call result() again "
                 "to keep waiting, or stop() to end it."
             )
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(None)  # fresh each time: no frames pile up
         if self._status == "stopped":
             raise NbddpError("the run was stopped before it finished, so it has no result.")
         return self._value

@@ -1,0 +1,149 @@
+"""``%%ddp``: run a notebook cell on every rank, with the namespace going in and out.
+
+    %load_ext nbddp
+    %%ddp -n 2 --device cpu
+    model = nbddp.prepare_model(Net())
+    ...
+
+The names the cell reads are shipped from the notebook (functions and classes by value,
+modules by name); afterwards the names it assigned on rank 0 are put back (tensors on the
+CPU, DDP unwrapped), and its last expression is shown like a normal cell's. With one worker
+the cell runs in the kernel's own namespace, exactly like a normal cell.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from . import cell as cells
+from . import payload
+from .errors import NbddpError, SerializationError, WorkerError
+from .fallback import run_in_kernel
+from .launch import launch_plan
+from .plan import make_plan
+
+_counter = itertools.count(1)
+
+
+class _CellFailed(NbddpError):
+    """The in-kernel cell raised; IPython already showed its traceback, so show nothing more
+    (``_render_traceback_``), but still end the cell in error, as a normal cell would."""
+
+    def _render_traceback_(self) -> list[str]:
+        return []
+
+
+@magics_class
+class DDPMagics(Magics):
+    @magic_arguments()
+    @argument("-n", "--num-workers", type=int, default=None,
+              help="ranks to run (default: one per visible GPU; 1 without GPU = in the kernel)")
+    @argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    @argument("--backend", choices=["nccl", "gloo"], default=None,
+              help="default: nccl on cuda, gloo on cpu")
+    @argument("--timeout", type=float, default=None, help="seconds for the whole run")
+    @argument("--display", choices=["auto", "widget", "text", "none"], default="auto")
+    @argument("--output", choices=["rank0", "all", "none"], default="rank0",
+              help="whose prints reach the notebook")
+    @argument("--out", type=str, default=None, metavar="NAME,NAME",
+              help="bring back only these names (default: every name the cell assigns)")
+    @argument("--no-out", action="store_true", help="bring nothing back into the notebook")
+    @cell_magic
+    def ddp(self, line: str, cell: str) -> Any:
+        """Run this cell as a DistributedDataParallel job, one rank per GPU (or -n gloo ranks
+        on the CPU), and bring the names it assigns on rank 0 back into the notebook.
+
+        The cell may use anything defined in earlier cells. Inside it, nbddp.rank(),
+        nbddp.prepare_model(), nbddp.prepare_loader(), nbddp.log() and nbddp.progress() work
+        as in notebook_launch. A failure on any rank ends every rank and raises here.
+        """
+        __tracebackhide__ = True  # IPython: show the user's frames, not ours
+        args = parse_argstring(self.ddp, line)
+        if args.out is not None and args.no_out:
+            raise UsageError("%%ddp: use either --out NAME,NAME or --no-out, not both.")
+        try:
+            plan = make_plan(
+                num_workers="auto" if args.num_workers is None else args.num_workers,
+                device=args.device, backend=args.backend, timeout=args.timeout,
+                display=args.display, output=args.output,
+            )
+        except ValueError as exc:
+            raise UsageError(f"%%ddp: {exc}") from None
+        if plan.in_kernel:
+            return self._run_in_kernel(cell, plan)
+        return self._run_on_workers(line, cell, plan, args)
+
+    def _run_in_kernel(self, cell: str, plan: Any) -> None:
+        shell = self.shell
+
+        def run_like_a_normal_cell() -> None:
+            result = shell.run_cell(cell, store_history=False)
+            if result.error_in_exec is not None or result.error_before_exec is not None:
+                raise _CellFailed("the cell raised")
+
+        try:
+            run_in_kernel(run_like_a_normal_cell, (), {}, plan)
+        except WorkerError as exc:
+            if isinstance(exc.__cause__, _CellFailed):
+                raise exc.__cause__ from None
+            raise
+
+    def _run_on_workers(self, line: str, cell: str, plan: Any, args: Any) -> Any:
+        __tracebackhide__ = True  # IPython: show the user's frames, not ours
+        user_ns = self.shell.user_ns
+        source = "\n" + cell  # line 1 is the %%ddp line: the cell's line numbers hold
+        filename = f"<%%ddp cell {next(_counter)}>"
+        cells.register_source(filename, f"%%ddp {line}\n" + cell)
+        names = cells.analyze(source)
+        if args.no_out:
+            out_names: tuple[str, ...] = ()
+        elif args.out is not None:
+            out_names = tuple(n.strip() for n in args.out.split(",") if n.strip())
+        else:
+            out_names = names.writes
+        inputs = {n: user_ns[n] for n in sorted(names.reads) if n in user_ns}
+        inputs = _travelling_inputs(inputs, rebound=set(names.writes))
+        outcome = launch_plan(
+            cells.run_cell, (source, filename, inputs, out_names, cells.shows_last_value(source)),
+            {}, plan,
+        )
+        user_ns.update(outcome["values"])
+        for name in outcome["deleted"]:
+            user_ns.pop(name, None)
+        if outcome["skipped"]:
+            detail = "; ".join(f"{n} ({why})" for n, why in outcome["skipped"].items())
+            warnings.warn(
+                f"%%ddp could not bring back {', '.join(outcome['skipped'])}: they cannot be "
+                f"pickled and exist only on the workers, which have ended. {detail}",
+                UserWarning, stacklevel=2,
+            )
+        return outcome["shown"]
+
+
+def _travelling_inputs(inputs: dict[str, Any], rebound: set[str]) -> dict[str, Any]:
+    """Check every input once; name the first that cannot travel. A name the cell binds
+    itself may not need its old value: drop it instead (a real need shows as NameError)."""
+    kept = {}
+    for name, value in inputs.items():
+        failure = payload.check_picklable(value)
+        if failure is None:
+            kept[name] = value
+        elif name not in rebound:
+            path, reason = payload.locate_unpicklable(value, name, failure)
+            raise SerializationError(f"the %%ddp cell's input {name!r} to the workers",
+                                     path, reason)
+    return kept
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    ipython.register_magics(DDPMagics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    ipython.magics_manager.magics["cell"].pop("ddp", None)

@@ -1,0 +1,91 @@
+"""%%ddp in a real kernel: the namespace in and out, errors, options, the in-kernel fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+TWO = "%%ddp -n 2 --device cpu --display none"
+
+
+@pytest.fixture(scope="module")
+def magic_kernel(kernel):
+    out, reply = kernel.run("%load_ext nbddp\nimport threading\nimport torch.nn as nn")
+    assert reply["status"] == "ok", out
+    return kernel
+
+
+def test_names_go_in_and_come_back(magic_kernel):
+    k = magic_kernel
+    k.run("class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+          "        self.fc = nn.Linear(2, 1)\n"
+          "def make():\n    return Net()\n"
+          "base, victim, counter = 10, 'bye', 0")
+    out, reply = k.run(
+        f"{TWO}\n"
+        "model = nbddp.prepare_model(make())\n"
+        "squares = [i * base for i in range(3)]\n"
+        "def bump():\n    global counter\n    counter = counter + 1\n"
+        "for _ in range(2):\n    bump()\n"
+        "del victim\n"
+        "rank_seen = nbddp.rank()\n"
+        "counter * 100"
+    )
+    assert reply["status"] == "ok", out
+    assert "200" in out  # the last expression, displayed like a normal cell's
+    out, _ = k.run("print(type(model) is Net, squares, counter, rank_seen, 'victim' in dir(),"
+                   " bump.__name__, sep=',')")
+    assert out.strip() == "True,[0, 10, 20],2,0,False,bump"
+
+
+def test_out_and_no_out_select_what_comes_back(magic_kernel):
+    k = magic_kernel
+    k.run("a = b = c = 'before'")
+    k.run(f"{TWO} --out a,c\na = 'A'\nb = 'B'\nc = 'C'")
+    assert k.run("print(a, b, c)")[0].strip() == "A before C"
+    k.run(f"{TWO} --no-out\na = 'again'")
+    assert k.run("print(a)")[0].strip() == "A"
+
+
+def test_errors_point_at_the_cell_line(magic_kernel):
+    out, reply = magic_kernel.run(
+        f"{TWO}\nx = 1\ny = 2\nraise ValueError(f'bad {{x + y}}')\n")
+    assert reply["status"] == "error" and reply["ename"] == "WorkerError"
+    assert "line 4, in <module>" in out and "raise ValueError(f'bad {x + y}')" in out
+    out, reply = magic_kernel.run(f"{TWO}\nvalue = never_defined + 1")
+    assert "NameError" in out and "line 2" in out and "value = never_defined + 1" in out
+
+
+def test_an_input_that_cannot_travel_is_named(magic_kernel):
+    magic_kernel.run("guard = threading.Lock()")
+    out, reply = magic_kernel.run(f"{TWO}\nwith guard:\n    pass")
+    assert reply["ename"] == "SerializationError"
+    assert "'guard'" in out and "guard -> _thread.lock" in out
+
+
+def test_an_output_that_cannot_travel_back_is_skipped_with_a_warning(magic_kernel):
+    out, reply = magic_kernel.run(f"{TWO}\nlock_made = threading.Lock()\nkept = 5")
+    assert reply["status"] == "ok", out
+    assert "could not bring back lock_made" in out
+    assert magic_kernel.run("print(kept, 'lock_made' in dir())")[0].strip() == "5 False"
+
+
+def test_one_worker_runs_in_the_kernel_namespace_like_a_normal_cell(magic_kernel):
+    k = magic_kernel
+    k.run("shared = []")
+    out, reply = k.run("%%ddp -n 1 --display none\nshared.append(nbddp.world_size())\n"
+                       "local_only = threading.Lock()\n41 + 1")
+    assert reply["status"] == "ok", out
+    assert "42" in out
+    # the very same list object was mutated, and an unpicklable name stays: no pickling at all
+    assert k.run("print(shared, type(local_only).__name__)")[0].strip() == "[1] lock"
+    out, reply = k.run("%%ddp -n 1 --display none\n1 / 0")
+    assert reply["status"] == "error" and "ZeroDivisionError" in out
+    assert out.count("ZeroDivisionError") == 2  # IPython's own traceback, once (name + line)
+
+
+def test_misuse_is_a_usage_error(magic_kernel):
+    for line in ("%%ddp --out a --no-out", "%%ddp -n 0", "%%ddp --device tpu"):
+        out, reply = magic_kernel.run(f"{line}\nx = 1")
+        assert reply["ename"] == "UsageError", (line, out)
+    out, _ = magic_kernel.run("print(get_ipython().find_cell_magic('ddp').__doc__)")
+    assert "--num-workers" in out and "--no-out" in out

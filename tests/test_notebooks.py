@@ -1,0 +1,26 @@
+"""Every notebook in notebooks/ runs end to end in a real kernel, as CI proves."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(path: Path) -> None:
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    summaries = [o for o in outputs if "text/html" in o.get("data", {})
+                 and "nbddp-summary" in o["data"]["text/html"]]
+    assert summaries, "no nbddp run summary in the outputs"
+
+
+def test_there_are_notebooks() -> None:
+    assert len(NOTEBOOKS) >= 1
