@@ -7,6 +7,8 @@ Worker side (inside the launched function; each also works outside a launch as r
 :func:`log`, :func:`progress`.
 """
 
+import contextlib
+
 from .errors import LaunchTimeout, NbddpError, SerializationError, WorkerError
 from .launch import notebook_launch
 from .run import Run, last_run
@@ -15,6 +17,18 @@ from .worker.live import log, progress
 from .worker.prepare import prepare_loader, prepare_model, unwrap
 
 __version__ = "0.1.0"
+
+
+def _prestart_warm_workers() -> None:
+    """Get the pre-warmed worker helper going now, so the first launch is fast already."""
+    from .warm import prestart
+    from .workers import ColdStarter
+
+    with contextlib.suppress(OSError):  # then launches start cold; nothing else changes
+        prestart(ColdStarter())
+
+
+_prestart_warm_workers()
 
 
 def load_ipython_extension(ipython: object) -> None:

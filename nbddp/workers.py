@@ -120,7 +120,13 @@ class ColdStarter:
 
 
 def default_starter() -> Starter:
-    return ColdStarter()
+    """The pre-warmed starter (``warm.py``) unless NBDDP_PREWARM=0; it starts cold by itself
+    whenever its helper is not there or not ready."""
+    from . import warm
+
+    if not warm.enabled():
+        return ColdStarter()
+    return warm.starter(ColdStarter())
 
 
 # -- the run's private directory -------------------------------------------------------------
@@ -184,6 +190,7 @@ def worker_env(plan: LaunchPlan, rank: int, port: int, run_id: str) -> dict[str,
         "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "PYTHONUNBUFFERED": "1",
+        "NBDDP_WORKER": str(rank),  # importing nbddp in a worker starts no helper
     })
     if "OMP_NUM_THREADS" not in os.environ:  # split the cores instead of oversubscribing them
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

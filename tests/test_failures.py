@@ -17,6 +17,19 @@ from nbddp import LaunchTimeout, NbddpError, SerializationError, WorkerError
 TWO_CPU = {"num_workers": 2, "device": "cpu"}
 
 
+@pytest.fixture(autouse=True, params=["warm", "cold"])
+def starter(request, monkeypatch):
+    """Every failure mode, with workers forked by the warm helper and started cold."""
+    if request.param == "cold":
+        monkeypatch.setenv("NBDDP_PREWARM", "0")
+    else:
+        from nbddp import warm
+
+        warm.prestart(None)
+        assert warm.wait_until_ready(60)
+    return request.param
+
+
 def fails_on_rank_one() -> None:
     nbddp.barrier()
     if nbddp.rank() == 1:

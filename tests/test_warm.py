@@ -1,0 +1,125 @@
+"""Pre-warmed workers: fast, yet every launch gets brand-new, isolated worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import is_warm_helper
+
+import nbddp
+from nbddp import warm
+
+TWO_CPU = {"num_workers": 2, "device": "cpu", "display": "none"}
+
+
+@pytest.fixture
+def ready_helper():
+    warm.prestart(None)
+    assert warm.wait_until_ready(60), "the helper never became ready"
+    return warm.helper_pid()
+
+
+def identity() -> dict:
+    import random
+
+    import nbddp_state_probe as probe
+    import torch
+    import torch.distributed as dist
+
+    probe.counter += 1  # a module global mutated by this launch
+    return {"pid": os.getpid(), "parent": os.getppid(), "counter": probe.counter,
+            "group": (dist.is_initialized(), dist.get_world_size()),
+            "torch": torch.rand(1).item(), "random": random.random(),
+            "threads": torch.get_num_threads(), "session": os.getsid(0) == os.getpid()}
+
+
+@pytest.fixture
+def probe_module(tmp_path, monkeypatch):
+    (tmp_path / "nbddp_state_probe.py").write_text("counter = 0\nVALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path / "nbddp_state_probe.py"
+    sys.modules.pop("nbddp_state_probe", None)
+
+
+def test_warm_workers_are_fresh_and_isolated_every_launch(ready_helper, probe_module):
+    first = nbddp.notebook_launch(identity, **TWO_CPU, return_all=True)
+    second = nbddp.notebook_launch(identity, **TWO_CPU, return_all=True)
+    for launch in (first, second):
+        for rank in launch:
+            assert rank["parent"] == ready_helper  # forked by the helper: the warm path
+            assert rank["counter"] == 1  # the previous launch's mutation is gone
+            assert rank["group"] == (True, 2) and rank["session"]
+            assert rank["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+    pids = {r["pid"] for r in first + second}
+    draws = {(r["torch"], r["random"]) for r in first + second}
+    assert len(pids) == 4 and len(draws) == 4  # new processes, each with its own seeds
+
+
+def reads_probe_value() -> int:
+    import importlib
+
+    import nbddp_state_probe
+
+    return importlib.reload(nbddp_state_probe).VALUE
+
+
+def test_a_module_edited_between_launches_is_imported_anew(ready_helper, probe_module):
+    assert nbddp.notebook_launch(reads_probe_value, **TWO_CPU) == 1
+    probe_module.write_text("counter = 0\nVALUE = 2\n")
+    assert nbddp.notebook_launch(reads_probe_value, **TWO_CPU) == 2
+
+
+def parent_pid() -> int:
+    return os.getppid()
+
+
+def test_a_dead_helper_is_replaced_and_launches_keep_working(ready_helper):
+    os.kill(ready_helper, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(ready_helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # this launch notices, starts cold (its workers are our children) and a new helper
+    assert nbddp.notebook_launch(parent_pid, **TWO_CPU) == os.getpid()
+    assert warm.wait_until_ready(60)
+    new_helper = warm.helper_pid()
+    assert new_helper not in (None, ready_helper)
+    assert nbddp.notebook_launch(parent_pid, **TWO_CPU) == new_helper
+
+
+def test_prewarm_can_be_turned_off(monkeypatch, ready_helper):
+    monkeypatch.setenv("NBDDP_PREWARM", "0")
+    assert nbddp.notebook_launch(parent_pid, **TWO_CPU) == os.getpid()
+
+
+def fails_on_rank_one() -> None:
+    if nbddp.rank() == 1:
+        os._exit(7)
+    time.sleep(60)
+
+
+def test_failures_hold_on_the_warm_path(ready_helper):
+    with pytest.raises(nbddp.WorkerError) as info:
+        nbddp.notebook_launch(fails_on_rank_one, **TWO_CPU)
+    assert (info.value.rank, info.value.exitcode) == (1, 7)
+
+
+def test_the_helper_ends_with_its_kernel(kernel_factory):
+    kernel = kernel_factory()
+    try:
+        out, reply = kernel.run("import nbddp\nfrom nbddp import warm\n"
+                                "print(warm.wait_until_ready(60), warm.helper_pid())")
+        assert reply["status"] == "ok", out
+        helper = int(out.split()[-1])
+        assert is_warm_helper(psutil.Process(helper))
+        assert psutil.Process(helper).ppid() == kernel.pid  # owned by the kernel
+    finally:
+        kernel.shutdown()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(helper) or psutil.Process(helper).status() == "zombie"
