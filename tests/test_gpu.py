@@ -44,3 +44,11 @@ def test_nccl_on_every_gpu():
     facts = nbddp.notebook_launch(where_am_i, return_all=True)
     assert [f["backend"] for f in facts] == ["nccl"] * torch.cuda.device_count()
     assert facts[1]["device"] == "cuda:1"
+
+
+def test_kernel_holding_gpu_memory_is_warned_about_once():
+    held = torch.ones(1024, 1024, device="cuda:0")  # the kernel now holds a context + memory
+    with pytest.warns(ResourceWarning, match=r"GPU 0 \(.*GiB reserved") as caught:
+        nbddp.notebook_launch(where_am_i, gpus=[0, 0], backend="gloo", display="none")
+    assert len(caught) == 1
+    del held

@@ -276,3 +276,11 @@ def test_fallback_shows_the_same_panel(kernel):
     final = [m for m in messages if m["msg_type"] == "update_display_data"][-1]["content"]
     html = final["data"]["text/html"]
     assert "1 × cpu" in html and "nbddp-metrics" in html and "step 4" in html
+
+
+def test_a_new_outer_bar_replaces_finished_ones():
+    state = RunState(1, "cpu", "gloo", "cpu")
+    for bar_id in range(3):  # three loops in a row, each finished
+        state.set_bars([{"id": bar_id, "level": 0, "desc": "loop", "n": 5, "total": 5,
+                         "elapsed": 1.0, "closed": True}])
+    assert [b["id"] for b in state.snapshot_bars()] == [2]

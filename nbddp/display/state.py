@@ -208,6 +208,8 @@ class RunState:
         with self.changed:
             for bar in snapshot:
                 previous = self.bars.get(bar["id"])
+                if previous is None and bar["level"] == 0:  # a new outer loop: finished
+                    self.bars = {i: b for i, b in self.bars.items() if not b["closed"]}
                 bar["rate"] = _rate(previous, bar)
                 bar["seen"] = now
                 if bar["closed"] and bar["level"] > 0:  # like tqdm: finished inner bars go,
