@@ -36,6 +36,10 @@ def notebook_launch(
     One resolved worker runs ``fn`` in the kernel itself. A failure on any rank ends every
     rank and raises :class:`nbddp.WorkerError` here; a kernel interrupt ends every rank and
     raises ``KeyboardInterrupt``. See API.md for each option.
+
+    ``gpus=[0, 0]`` with ``backend="gloo"`` puts two ranks on one GPU: a testing aid for
+    single-GPU machines (NCCL refuses it). ``NBDDP_PREWARM=0`` in the environment turns the
+    pre-warmed worker start off.
     """
     __tracebackhide__ = True  # IPython: show the user's frames, not ours
     if not callable(fn):

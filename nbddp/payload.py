@@ -117,7 +117,7 @@ def dumps_call(fn: Any, args: tuple, kwargs: dict) -> bytes:
         pieces += [(f"args[{i}]", value) for i, value in enumerate(args)]
         pieces += [(f"kwargs[{key!r}]", value) for key, value in kwargs.items()]
         for root, piece in pieces:
-            failure = _pickle_failure(piece)
+            failure = check_picklable(piece)
             if failure is not None:
                 path, reason = locate_unpicklable(piece, root, failure)
                 raise SerializationError(what, path, reason) from None
@@ -171,7 +171,7 @@ def locate_unpicklable(obj: Any, root: str, error: BaseException) -> tuple[str, 
             if id(child) in seen:
                 continue
             seen.add(id(child))
-            failure = _pickle_failure(child)
+            failure = check_picklable(child)
             if failure is not None:
                 path.append(label)
                 reason = _reason(failure)
@@ -182,14 +182,6 @@ def locate_unpicklable(obj: Any, root: str, error: BaseException) -> tuple[str, 
     if not isinstance(current, (types.FunctionType, type)):
         path.append(_type_name(current))
     return " -> ".join(path), reason
-
-
-def _pickle_failure(obj: Any) -> BaseException | None:
-    try:
-        _dumps(obj)
-    except Exception as exc:
-        return exc
-    return None
 
 
 def _reason(exc: BaseException) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -57,6 +56,7 @@ class LiveDisplay:
 
             self._view = TextView(state)
         self._closing = False
+        self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         if self._view is not None:
             self._thread = threading.Thread(target=self._loop, name="nbddp-display", daemon=True)
@@ -73,7 +73,7 @@ class LiveDisplay:
                 self._rendered = state.version
             with contextlib.suppress(Exception):  # a display problem must never end the run
                 self._view.render()
-            time.sleep(1.0 / MAX_RATE)
+            self._closed.wait(1.0 / MAX_RATE)  # the throttle, cut short by close()
 
     def _due(self) -> bool:
         return self.state.version != self._rendered or self._closing
@@ -83,6 +83,7 @@ class LiveDisplay:
         with self.state.changed:
             self._closing = True
             self.state.changed.notify_all()
+        self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._view is not None:
