@@ -208,7 +208,7 @@ def main() -> None:
          launch_latency(processes=2 if quick else 5, repeats=2 if quick else 5)),
         ("2. Training throughput", throughput(rounds=1 if quick else 5,
                                               steps=30 if quick else 150)),
-        ("3. In-kernel fallback overhead", fallback(rounds=2 if quick else 7)),
+        ("3. In-kernel fallback overhead", fallback(rounds=2 if quick else 15)),
         ("4. nbddp.log / nbddp.progress overhead and latency", live_overhead.run()),
     ]
     text = "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n" + "\n\n".join(
