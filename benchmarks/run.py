@@ -156,18 +156,19 @@ def fallback(rounds: int) -> str:
         train_steps(model, loader, steps=40, warmup=2)
         return time.perf_counter() - started
 
-    direct, launched = [], []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        work()
-        direct.append(time.perf_counter() - started)
-        started = time.perf_counter()
+    def launched() -> None:
         nbddp.notebook_launch(work, num_workers=1, device="cpu", display="none")
-        launched.append(time.perf_counter() - started)
-    a, b = _median(launched), _median(direct)
+
+    times: dict[str, list[float]] = {"direct": [], "launched": []}
+    for round_ in range(rounds):  # ABBA: neither always runs first on a warmer machine
+        for name in ("direct", "launched") if round_ % 2 == 0 else ("launched", "direct"):
+            started = time.perf_counter()
+            work() if name == "direct" else launched()
+            times[name].append(time.perf_counter() - started)
+    a, b = _median(times["launched"]), _median(times["direct"])
     return (f"`notebook_launch(fn, num_workers=1)` (in the kernel, world-size-1 process group) "
             f"took {a:.3f} s vs {b:.3f} s calling `fn()` directly: {a / b:.3f}× "
-            f"(target ≤ 1.02×; medians of {rounds} interleaved rounds).")
+            f"(target ≤ 1.02×; medians of {rounds} rounds in ABBA order).")
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def main() -> None:
          launch_latency(processes=2 if quick else 5, repeats=2 if quick else 5)),
         ("2. Training throughput", throughput(rounds=1 if quick else 5,
                                               steps=30 if quick else 150)),
-        ("3. In-kernel fallback overhead", fallback(rounds=2 if quick else 15)),
+        ("3. In-kernel fallback overhead", fallback(rounds=2 if quick else 20)),
         ("4. nbddp.log / nbddp.progress overhead and latency", live_overhead.run()),
     ]
     text = "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n" + "\n\n".join(

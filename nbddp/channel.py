@@ -9,7 +9,8 @@ the kernel unpickles separately (``payload.loads``). Worker -> kernel:
 
     ("hello", rank)                 first message of each connection
     ("device", rank, name)          rank 0's device, for the panel's header
-    ("log", rank, (first, rows))    averaged by the kernel: row k is every rank's k-th log
+    ("log", rank, (first, blocks))  rows first, first + 1, ...: blocks of (epoch, keys,
+                                    a list of values per key); row k of every rank is averaged
     ("progress", rank, bars)        a snapshot of rank 0's progress bars
     ("result", rank, bytes | None)  fn returned (value pickled for rank 0 / return_all)
     ("error", rank, ErrorReport)    fn raised; the rank exits non-zero next

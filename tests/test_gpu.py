@@ -52,3 +52,19 @@ def test_kernel_holding_gpu_memory_is_warned_about_once():
         nbddp.notebook_launch(where_am_i, gpus=[0, 0], backend="gloo", display="none")
     assert len(caught) == 1
     del held
+
+
+def logs_cuda_losses() -> None:
+    for i in range(300):
+        nbddp.log(loss=torch.tensor(float(i), device=nbddp.device()), step_size=0.5)
+
+
+def test_cuda_tensors_logged_every_step_arrive_as_floats():
+    run = nbddp.notebook_launch(logs_cuda_losses, num_workers=1, device="cuda",
+                                display="none", block=False)
+    run.wait()
+    assert [row["loss"] for row in run.history] == [float(i) for i in range(300)]
+    both = nbddp.notebook_launch(logs_cuda_losses, gpus=[0, 0], backend="gloo",
+                                 display="none", block=False)
+    both.wait()
+    assert len(both.history) == 300 and both.history[-1]["loss"] == 299.0

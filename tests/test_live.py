@@ -6,6 +6,7 @@ import io
 import itertools
 import math
 import re
+import sys
 import time
 
 import nbformat
@@ -17,9 +18,22 @@ import nbddp
 from nbddp.display.html import bar_text, summary_html
 from nbddp.display.state import History, MetricsAggregator, RunState
 from nbddp.display.text import TextView
+from nbddp.worker import live
 from nbddp.worker.live import LiveBuffer
 
 TWO_CPU = {"num_workers": 2, "device": "cpu"}
+
+
+def blocks(*rows: tuple) -> list:
+    """Rows ``(epoch, {name: value})`` as a worker sends them: runs of rows with the same
+    epoch and keys, a list of values per key."""
+    sent: list = []
+    for epoch, values in rows:
+        if not sent or sent[-1][:2] != (epoch, tuple(values)):
+            sent.append((epoch, tuple(values), [[] for _ in values]))
+        for column, value in zip(sent[-1][2], values.values(), strict=True):
+            column.append(value)
+    return sent
 
 
 # -- the model, without processes -------------------------------------------------------------
@@ -28,11 +42,11 @@ TWO_CPU = {"num_workers": 2, "device": "cpu"}
 def test_rows_wait_for_every_rank_and_nothing_is_lost():
     history = History()
     metrics = MetricsAggregator(2, history)
-    metrics.add(1, 0, [(None, {"loss": 1.0}), (None, {"loss": 3.0})])  # rank 1 runs ahead
+    metrics.add(1, 0, blocks((None, {"loss": 1.0}), (None, {"loss": 3.0})))  # rank 1 runs ahead
     assert len(history) == 0
-    metrics.add(0, 0, [(0, {"loss": 0.0})])
+    metrics.add(0, 0, blocks((0, {"loss": 0.0})))
     assert history.rows() == [{"step": 0, "epoch": 0, "loss": 0.5}]
-    metrics.add(0, 1, [(0, {"loss": 1.0}), (1, {"loss": 5.0})])  # rank 0 now ahead
+    metrics.add(0, 1, blocks((0, {"loss": 1.0}), (1, {"loss": 5.0})))  # rank 0 now ahead
     metrics.finish()  # row 2 only rank 0 logged: averaged over those who did
     assert [r["loss"] for r in history.rows()] == [0.5, 2.0, 5.0]
     assert metrics.latest == {"loss": 5.0}
@@ -41,8 +55,8 @@ def test_rows_wait_for_every_rank_and_nothing_is_lost():
 def test_ranks_logging_different_keys_follow_the_documented_rule():
     history = History()
     metrics = MetricsAggregator(2, history)
-    metrics.add(0, 0, [(None, {"loss": 2.0, "acc": 1.0})])
-    metrics.add(1, 0, [(None, {"loss": 4.0})])
+    metrics.add(0, 0, blocks((None, {"loss": 2.0, "acc": 1.0})))
+    metrics.add(1, 0, blocks((None, {"loss": 4.0})))
     assert history.rows() == [{"step": 0, "loss": 3.0, "acc": 1.0}]
     assert "not every rank logged acc" in metrics.notes[0]
 
@@ -50,7 +64,7 @@ def test_ranks_logging_different_keys_follow_the_documented_rule():
 def test_history_memory_is_bounded_and_evenly_spread():
     history = History(max_rows=1000)
     for step in range(10_000):
-        history.append(step, None, {"loss": float(step)})
+        history.extend(step, None, {"loss": [float(step)]})
     assert len(history) < 1000 and history.stride == 16
     steps = [row["step"] for row in history.rows()]
     gaps = {b - a for a, b in itertools.pairwise(steps)}
@@ -69,15 +83,65 @@ def test_log_rejects_what_cannot_be_averaged():
         buffer.close()
 
 
-def test_log_batches_tensors_into_floats():
+def test_log_ships_rows_in_batches_of_columns():
     received = []
     buffer = LiveBuffer(lambda kind, data: received.append((kind, data)))
     for i in range(50):
         buffer.log({"loss": torch.tensor(i / 10), "lr": 0.1})
+    buffer.log({"lr": 0.2})  # another set of keys starts another block
     buffer.close()
-    rows = [row for kind, (first, batch) in received if kind == "log" for row in batch]
-    assert len(rows) == 50 and len([k for k, _ in received if k == "log"]) < 50
-    assert rows[7] == (None, {"loss": pytest.approx(0.7), "lr": 0.1})
+    batches = [data for kind, data in received if kind == "log"]
+    assert 1 <= len(batches) < 50 and batches[0][0] == 0
+    merged: dict[tuple, list[list[float]]] = {}
+    for _, sent in batches:
+        for _, keys, columns in sent:
+            for column, values in zip(merged.setdefault(keys, [[] for _ in keys]), columns,
+                                      strict=True):
+                column += values
+    assert merged[("loss", "lr")][0][7] == pytest.approx(0.7)
+    assert merged[("loss", "lr")][1] == [0.1] * 50 and merged[("lr",)] == [[0.2]]
+
+
+def test_unread_tensors_become_floats_with_one_copy_per_kind():
+    sent = blocks(*[(None, {"loss": torch.tensor(i / 10), "n": torch.tensor(i)})
+                    for i in range(5)])
+    live._read_tensors(sent)
+    assert sent == [(None, ("loss", "n"), [[pytest.approx(i / 10) for i in range(5)],
+                                           [float(i) for i in range(5)]])]
+    assert all(type(v) is float for column in sent[0][2] for v in column)
+
+
+def test_no_row_is_lost_or_reordered_while_the_flusher_races_the_logger(monkeypatch):
+    monkeypatch.setattr(live, "FLUSH_INTERVAL", 0.0002)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch between the two threads very often
+    received = []
+    try:
+        buffer = LiveBuffer(lambda kind, data: received.append(data) if kind == "log" else None)
+        for i in range(60_000):
+            if i % 997 == 0:
+                buffer.epoch = i  # a new block now and then
+            buffer.log({"i": float(i)} if i % 3000 < 1500 else {"i": float(i), "x": 0.0})
+        buffer.close()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(received) > 10  # the flusher did run while rows were logged
+    seen: list[float] = []
+    for first, sent in received:
+        assert first == len(seen)
+        for _, keys, columns in sent:
+            seen += columns[keys.index("i")]
+    assert seen == [float(i) for i in range(60_000)]
+
+
+def test_rows_with_the_same_keys_in_another_order_stay_apart():
+    received = []
+    buffer = LiveBuffer(lambda kind, data: received.append(data))
+    buffer.log({"a": 1.0, "b": 2.0})
+    buffer.log({"b": 4.0, "a": 3.0})
+    buffer.close()
+    assert received == [(0, [(None, ("a", "b"), [[1.0], [2.0]]),
+                             (None, ("b", "a"), [[4.0], [3.0]])])]
 
 
 def test_bar_text_is_tqdm_like():
@@ -90,8 +154,8 @@ def test_text_view_writes_a_line_every_few_seconds_not_every_step():
     stream = io.StringIO()
     view = TextView(state, stream)
     for step in range(100):
-        state.add_rows(0, step, [(None, {"loss": 1.0})])
-        state.add_rows(1, step, [(None, {"loss": 0.0})])
+        state.add_rows(0, step, blocks((None, {"loss": 1.0})))
+        state.add_rows(1, step, blocks((None, {"loss": 0.0})))
         view.render()
     state.finish("succeeded", None)
     view.finish()
@@ -109,14 +173,14 @@ def test_text_view_redraws_in_place_on_a_terminal():
     stream = Terminal()
     view = TextView(state, stream)
     for step in range(3):
-        state.add_rows(0, step, [(None, {"loss": float(step)})])
+        state.add_rows(0, step, blocks((None, {"loss": float(step)})))
         view.render()
     assert stream.getvalue().count("\r") == 3 and "\n" not in stream.getvalue()
 
 
 def test_summary_shows_failure_in_red_with_the_first_line():
     state = RunState(2, "cpu", "gloo", "cpu")
-    state.add_rows(0, 0, [(None, {"loss": 1.0})])
+    state.add_rows(0, 0, blocks((None, {"loss": 1.0})))
     state.finish("failed", ValueError("bad batch\nmore"))
     html = summary_html(state)
     assert "failed" in html and "ValueError: bad batch" in html and "more" not in html
@@ -224,7 +288,7 @@ def test_saved_notebook_keeps_a_static_summary(tmp_path):
 def test_summary_svg_has_the_curve():
     state = RunState(1, "cpu", "gloo", "cpu")
     for step in range(20):
-        state.add_rows(0, step, [(None, {"loss": math.exp(-step / 5)})])
+        state.add_rows(0, step, blocks((None, {"loss": math.exp(-step / 5)})))
     state.finish("succeeded", None)
     html = summary_html(state)
     assert html.count("<polyline") == 1 and "loss" in html

@@ -17,17 +17,21 @@ import numbers
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
 from .context import is_main
 
+if TYPE_CHECKING:
+    from ..display.state import Block
+
 FLUSH_INTERVAL = 0.05
 PROGRESS_INTERVAL = 0.1  # seconds between two snapshots of a bar the flusher may send
 T = TypeVar("T")
+_Pending = list  # [epoch, keys, values of row after row, whether a device tensor is unread]
 
-Sink = Callable[[str, Any], None]  # sink("log", (first_step, rows)) / sink("progress", bars)
+Sink = Callable[[str, Any], None]  # sink("log", (first_row, blocks)) / sink("progress", bars)
 
 
 class _Bar:
@@ -49,12 +53,20 @@ class _Bar:
 
 
 class LiveBuffer:
-    """This process's pending log rows and progress bars, and the thread that ships them."""
+    """This process's pending log rows and progress bars, and the thread that ships them.
+
+    Rows are kept as they will be sent: a block per run of rows with the same keys and epoch,
+    its values in one flat list, row after row. A logged step thus leaves no object behind for
+    the garbage collector, and takes no lock: the training thread only appends (one atomic
+    ``list.extend`` a row, or a new block), the flusher only takes what is complete.
+    """
 
     def __init__(self, sink: Sink) -> None:
         self._sink = sink
-        self._lock = threading.Lock()  # for bars and flushing; log() appends without it
-        self._rows: collections.deque[tuple[int | None, dict[str, Any]]] = collections.deque()
+        self._lock = threading.Lock()  # for the bars
+        self._flushing = threading.Lock()  # one flush at a time: rows leave in order
+        self._queue: collections.deque[_Pending] = collections.deque()  # the last one is open
+        self._open: _Pending | None = None  # the block log() extends
         self._sent = 0  # rows already handed to the sink
         self._bars: list[_Bar] = []  # the active stack, outermost first
         self._closed: list[dict[str, Any]] = []  # bars closed since the last snapshot
@@ -69,15 +81,49 @@ class LiveBuffer:
 
     def log(self, row: dict[str, Any]) -> None:
         """``row`` is a fresh dict the caller gives away: converted in place, no copy."""
+        unread = False  # a device tensor, read later
         for name, value in row.items():  # the common cases inline: this runs every step
             if type(value) is float:
                 continue
-            if type(value) is torch.Tensor and value.is_cpu and value.numel() == 1:
-                row[name] = value.item()  # reading a CPU tensor never waits for a device
-            else:
-                row[name] = _scalar(name, value)
+            if type(value) is torch.Tensor and value.is_cpu:
+                try:
+                    row[name] = value.item()  # reading a CPU tensor never waits for a device
+                    continue
+                except RuntimeError:  # more than one element: _scalar explains
+                    pass
+            row[name] = value = _scalar(name, value)
+            unread = unread or type(value) is not float
         bars = self._bars  # nested bars: the outer one counts epochs
-        self._rows.append((bars[0].n if len(bars) >= 2 else self.epoch, row))  # atomic
+        epoch = bars[0].n if len(bars) >= 2 else self.epoch
+        keys = tuple(row)
+        block = self._open
+        if block is None or keys != block[1] or epoch != block[0]:
+            block = self._open = [epoch, keys, [], False]
+            self._queue.append(block)
+        if unread:
+            block[3] = True  # before the values: the flusher reads them first, then this
+        block[2].extend(row.values())  # atomic: the flusher sees all of a row or none of it
+
+    def _take_rows(self) -> tuple[int, list[Block]]:
+        """On the flusher: the rows logged so far, as blocks, and the index of the first."""
+        first = self._sent
+        blocks: list[Block] = []
+        queue = self._queue
+        pending = list(queue)
+        for i, (epoch, keys, values, _) in enumerate(pending):
+            if i < len(pending) - 1:  # a later block exists: this one is complete
+                queue.popleft()
+                rows = values
+            else:  # maybe still open: take what is there
+                rows = values[:len(values)]
+                del values[:len(rows)]
+            if rows:
+                width = len(keys)
+                blocks.append((epoch, keys, [rows[k::width] for k in range(width)]))
+                self._sent += len(rows) // width
+        if any(block[3] for block in pending):
+            _read_tensors(blocks)
+        return first, blocks
 
     def open_bar(self, desc: str | None, total: int | None) -> _Bar:
         with self._lock:
@@ -106,19 +152,18 @@ class LiveBuffer:
                 last_bars = now
 
     def flush(self, bars: bool = True) -> None:
-        with self._lock:
-            rows = [self._rows.popleft() for _ in range(len(self._rows))]
-            first = self._sent
-            self._sent += len(rows)
+        with self._flushing:
+            first, blocks = self._take_rows()
             snapshot = None
             if bars and self._bars_dirty:
-                snapshot = self._closed + [b.snapshot() for b in self._bars]
-                self._closed = []
-                self._bars_dirty = False
-        if rows:
-            self._sink("log", (first, _to_floats(rows)))
-        if snapshot is not None:
-            self._sink("progress", snapshot)
+                with self._lock:
+                    snapshot = self._closed + [b.snapshot() for b in self._bars]
+                    self._closed = []
+                    self._bars_dirty = False
+            if blocks:
+                self._sink("log", (first, blocks))
+            if snapshot is not None:
+                self._sink("progress", snapshot)
 
     def close(self) -> None:
         """Ship everything still pending; called when fn returns or raises."""
@@ -147,25 +192,21 @@ def _scalar(name: str, value: Any) -> Any:
     )
 
 
-def _to_floats(
-    rows: list[tuple[int | None, dict[str, Any]]],
-) -> list[tuple[int | None, dict[str, float]]]:
-    """Device tensors become floats with one device-to-host copy per (device, dtype, shape)."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for _, row in rows:
-        for value in row.values():
-            if isinstance(value, torch.Tensor):
-                groups.setdefault((value.device, value.dtype, value.shape), []).append(value)
-    if not groups:
-        return rows
-    floats: dict[int, float] = {}
-    for tensors in groups.values():
-        values = torch.stack(tensors).reshape(-1).to(torch.float64).cpu().tolist()
-        floats.update(zip(map(id, tensors), values, strict=True))
-    return [
-        (epoch, {k: floats[id(v)] if isinstance(v, torch.Tensor) else v for k, v in row.items()})
-        for epoch, row in rows
-    ]
+def _read_tensors(blocks: list[Block]) -> None:
+    """Device tensors become floats, in place, with one device-to-host copy per
+    (device, dtype, shape)."""
+    groups: dict[tuple, list[tuple[list[Any], int]]] = {}
+    for _, _, columns in blocks:
+        for column in columns:
+            for i, value in enumerate(column):
+                if type(value) is not float:
+                    groups.setdefault((value.device, value.dtype, value.shape), []).append(
+                        (column, i))
+    for places in groups.values():
+        stacked = torch.stack([column[i] for column, i in places])
+        values = stacked.reshape(-1).to(torch.float64).cpu().tolist()
+        for (column, i), value in zip(places, values, strict=True):
+            column[i] = value
 
 
 # the process's buffer, installed by a worker's entry or by the kernel fallback
