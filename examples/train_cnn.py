@@ -52,14 +52,21 @@ def train(size: int, epochs: int, batch_size: int, lr: float) -> SmallCNN:
     return model
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=None,
+    parser.add_argument("--workers", type=positive, default=None,
                         help="ranks (default: one per GPU, or 2 on the CPU)")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--size", type=int, default=2048, help="training images")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=positive, default=2)
+    parser.add_argument("--size", type=positive, default=2048, help="training images")
+    parser.add_argument("--batch-size", type=positive, default=64)
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args()
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
