@@ -38,6 +38,10 @@ from .output import OutputPump
 from .plan import LaunchPlan
 
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL
+# After the first failure, how long to wait for the other ranks' news before choosing the root
+# cause: a rank that dies closes its sockets before it can be seen to exit, so a peer's
+# "Connection closed by peer" report can reach the kernel before the death that caused it.
+SETTLE = 0.5
 _DIR_PREFIX = "nbddp-"
 _SCRIPT = '''\
 # Written by nbddp for one run and removed when it ends.
@@ -224,6 +228,20 @@ def device_indices(gpus: tuple[int, ...]) -> list[int]:
 class _Failure:
     time: float
     error: BaseException
+    silent: bool = False  # the rank ended without a report: no traceback, or no result
+
+
+_PEER_LOST = (  # what gloo and NCCL say in a rank whose peer went away
+    "closed by peer", "reset by peer", "broken pipe", "remote process exited",
+    "communicator was aborted", "distnetworkerror",
+)
+
+
+def _lost_a_peer(error: BaseException) -> bool:
+    if not isinstance(error, WorkerError):
+        return False
+    text = f"{error.exc_type} {error.exc_message}".lower()
+    return any(words in text for words in _PEER_LOST)
 
 
 class WorkerGroup:
@@ -340,10 +358,14 @@ class WorkerGroup:
         deadline = time.monotonic() + plan.timeout if plan.timeout else None
         exited: set[int] = set()
         sentinels = {w.sentinel: rank for rank, w in enumerate(self._workers)}
+        settled: float | None = None  # when to stop waiting for more failures
         while True:
             with self._conn_lock:
                 conns = list(self._conns)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if settled is not None:
+                until_settled = max(0.0, settled - time.monotonic())
+                remaining = until_settled if remaining is None else min(remaining, until_settled)
             ready = wait([self._wake_r, *conns, *(s for s, r in sentinels.items()
                                                   if r not in exited)], timeout=remaining)
             if self._wake_r in ready:
@@ -356,13 +378,26 @@ class WorkerGroup:
                     exited.add(rank)
                     self._on_exit(rank)
             if self._failures:
-                return "failed", None, min(self._failures, key=lambda f: f.time).error
+                settled = settled or time.monotonic() + SETTLE
+                reported = {f.error.rank for f in self._failures
+                            if isinstance(f.error, WorkerError)}
+                if time.monotonic() >= settled or len(exited | reported) == plan.world_size:
+                    return "failed", None, self._root_cause().error
+                continue  # a failure is decided: only the choice of root cause is left
             if self._stop_requested:
                 return "stopped", None, None
             if len(exited) == plan.world_size:
                 return self._collect()
             if deadline is not None and time.monotonic() >= deadline:
                 return "failed", None, LaunchTimeout(plan.timeout)
+
+    def _root_cause(self) -> _Failure:
+        """The earliest failure, leaving out peers' "lost a peer" errors when a rank died
+        silently: those errors are about that death, however early they reached us."""
+        failures = self._failures
+        if any(f.silent for f in failures):
+            failures = [f for f in failures if f.silent or not _lost_a_peer(f.error)]
+        return min(failures, key=lambda f: f.time)
 
     def _drain(self, conn: Connection) -> None:
         """Read every message waiting on ``conn``; forget it at EOF."""
@@ -406,9 +441,9 @@ class WorkerGroup:
         reported = rank in self._results or any(
             getattr(f.error, "rank", None) == rank for f in self._failures)
         if code != 0 and not reported:
-            self._failures.append(_Failure(time.time(), self._crash_error(rank, code)))
+            self._failures.append(_Failure(time.time(), self._crash_error(rank, code), True))
         elif code == 0 and rank not in self._results:
-            self._failures.append(_Failure(time.time(), WorkerError(rank, exitcode=0)))
+            self._failures.append(_Failure(time.time(), WorkerError(rank, exitcode=0), True))
 
     def _crash_error(self, rank: int, code: int | None) -> WorkerError:
         self._pump.wait_closed(rank, timeout=0.5)  # let its last words reach the tail

@@ -80,6 +80,30 @@ def test_a_rank_dying_without_traceback_is_reported_within_seconds(how, exitcode
     assert text in str(info.value)
 
 
+def peer_error_reaches_the_kernel_before_the_death(real_error_first: bool) -> None:
+    """The race a real crash makes: the dying rank's sockets close before it can be seen to
+    exit, so its peer's "connection closed" report may arrive first."""
+    nbddp.barrier()
+    if nbddp.rank() == 1:
+        time.sleep(0.05)
+        os._exit(3)
+    if real_error_first:
+        raise ValueError("a real bug on rank 0")
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]")
+
+
+def test_a_silent_death_is_the_root_cause_of_its_peers_connection_errors():
+    with pytest.raises(WorkerError) as info:
+        nbddp.notebook_launch(peer_error_reaches_the_kernel_before_the_death, (False,), **TWO_CPU)
+    assert (info.value.rank, info.value.exitcode) == (1, 3)
+
+
+def test_a_real_error_before_a_silent_death_stays_the_root_cause():
+    with pytest.raises(WorkerError) as info:
+        nbddp.notebook_launch(peer_error_reaches_the_kernel_before_the_death, (True,), **TWO_CPU)
+    assert (info.value.rank, info.value.exc_type) == (0, "ValueError")
+
+
 def both_fail_rank_one_first() -> None:
     if nbddp.rank() == 1:
         raise KeyError("root cause")
