@@ -111,7 +111,7 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchPlan, r
         lambda kind, data: state.add_rows(0, *data) if kind == "log" else state.set_bars(data)
     )
     # A blocking call owns the cell: its prints go to the panel, like a worker's would.
-    panel = plan.block and run._display is not None and run._display.mode == "widget"
+    panel = plan.block and run._shows_panel
     redirect = _redirected(state.as_stream()) if panel else contextlib.nullcontext()
     previous_buffer = live.install(buffer)
     try:

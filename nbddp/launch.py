@@ -66,9 +66,8 @@ def launch_plan(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchP
     _warn_if_kernel_holds_gpus(plan)
     run = Run(plan, device_name="cpu" if plan.device == "cpu" else "GPU")
     run._show(plan.display, blocking=plan.block)
-    panel = run._display is not None and run._display.mode == "widget"
     group = WorkerGroup(plan, call, run.state, on_finish=run._finish,
-                        output=run.state.as_stream() if panel else None)
+                        output=run.state.as_stream() if run._shows_panel else None)
     run._stopper = group.stop
     try:
         group.start()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -40,8 +39,6 @@ class Run:
         self._status: Status = "running"
         self._value: Any = None
         self._error: BaseException | None = None
-        self._started = time.monotonic()
-        self._ended: float | None = None
         self._done = threading.Event()
         _last = self
 
@@ -49,6 +46,11 @@ class Run:
         """Start the live view (``display=`` of the launch); "none" shows nothing."""
         if mode != "none":
             self._display = LiveDisplay(self.state, mode, self.stop, blocking)
+
+    @property
+    def _shows_panel(self) -> bool:
+        """The live widget is up: worker output goes into the panel, not below it."""
+        return self._display is not None and self._display.mode == "widget"
 
     @property
     def status(self) -> Status:
@@ -65,7 +67,7 @@ class Run:
     @property
     def duration(self) -> float:
         """Seconds since the launch, or its whole length once it ended."""
-        return (self._ended or time.monotonic()) - self._started
+        return self.state.elapsed
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the run ended or ``timeout`` seconds passed; True if it ended."""
@@ -102,7 +104,6 @@ class Run:
         if self._display is not None:  # the final panel is drawn before anyone is told
             self._display.close()
         self._value, self._error = value, error
-        self._ended = time.monotonic()
         self._status = status
         self._done.set()
 

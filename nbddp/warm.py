@@ -62,8 +62,9 @@ class _WarmProcess:
         return self.code
 
     def signal_group(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signum)
+        from .workers import signal_group
+
+        signal_group(self.pid, signum)
 
     def release(self) -> None:
         self._helper.release(self.pid)

@@ -81,6 +81,12 @@ class Starter(Protocol):
         """Start one worker with these pipe ends as its stdout/stderr."""
 
 
+def signal_group(leader: int, signum: int) -> None:
+    """Signal a worker's whole process group (it leads its own session); gone is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signum)
+
+
 class _ColdProcess:
     def __init__(self, popen: subprocess.Popen) -> None:
         self._popen = popen
@@ -99,8 +105,7 @@ class _ColdProcess:
         return self._code
 
     def signal_group(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signum)
+        signal_group(self.pid, signum)
 
     def release(self) -> None:
         self._popen.wait()
@@ -305,9 +310,6 @@ class WorkerGroup:
         self._stop_requested = True
         self._wake()
 
-    def wait_finished(self, timeout: float | None = None) -> bool:
-        return self._finished.wait(timeout)
-
     # internals
 
     def _write_job(self) -> None:
@@ -379,9 +381,8 @@ class WorkerGroup:
                     self._on_exit(rank)
             if self._failures:
                 settled = settled or time.monotonic() + SETTLE
-                reported = {f.error.rank for f in self._failures
-                            if isinstance(f.error, WorkerError)}
-                if time.monotonic() >= settled or len(exited | reported) == plan.world_size:
+                everyone = len(exited | self._failed_ranks()) == plan.world_size
+                if everyone or time.monotonic() >= settled:
                     return "failed", None, self._root_cause().error
                 continue  # a failure is decided: only the choice of root cause is left
             if self._stop_requested:
@@ -390,6 +391,9 @@ class WorkerGroup:
                 return self._collect()
             if deadline is not None and time.monotonic() >= deadline:
                 return "failed", None, LaunchTimeout(plan.timeout)
+
+    def _failed_ranks(self) -> set[int]:
+        return {f.error.rank for f in self._failures if isinstance(f.error, WorkerError)}
 
     def _root_cause(self) -> _Failure:
         """The earliest failure, leaving out peers' "lost a peer" errors when a rank died
@@ -438,8 +442,7 @@ class WorkerGroup:
             if conn_rank == rank:  # its last words may still sit in the socket
                 self._drain(conn)
         code = self._workers[rank].exitcode()
-        reported = rank in self._results or any(
-            getattr(f.error, "rank", None) == rank for f in self._failures)
+        reported = rank in self._results or rank in self._failed_ranks()
         if code != 0 and not reported:
             self._failures.append(_Failure(time.time(), self._crash_error(rank, code), True))
         elif code == 0 and rank not in self._results:

@@ -102,7 +102,7 @@ def test_log_ships_rows_in_batches_of_columns():
     assert merged[("loss", "lr")][1] == [0.1] * 50 and merged[("lr",)] == [[0.2]]
 
 
-def test_unread_tensors_become_floats_with_one_copy_per_kind():
+def test_unread_tensors_become_floats_in_place():
     sent = blocks(*[(None, {"loss": torch.tensor(i / 10), "n": torch.tensor(i)})
                     for i in range(5)])
     live._read_tensors(sent)

@@ -155,7 +155,7 @@ class MetricsAggregator:
             span = _Span(first, block)
             spans.append(span)
             first = span.end
-        self._delivered[rank] = max(self._delivered[rank], first)
+        self._delivered[rank] = first
         self._average_until(min(self._delivered))
 
     def finish(self) -> None:
