@@ -1,9 +1,16 @@
 """What nbddp.log + nbddp.progress cost a training loop, and how fast a logged value is shown.
 
 Each rank runs the same loop in short blocks: without anything ("plain"), again without
-anything ("plain again": the A/A control that shows this machine's noise floor), and with
-``nbddp.log`` + ``nbddp.progress`` on every step ("live"), in ABBA order over many rounds so
-all see the same noise; the ratio of median step rates is the overhead. Three loops:
+anything ("plain again": the A/A control that shows this machine's noise floor), reading the
+loss with ``.item()`` on every step and nothing else ("read": what any logging costs at least,
+and how much this machine's step time reacts to a few microseconds of Python a step), and
+with ``nbddp.log`` + ``nbddp.progress`` on every step ("live"), in ABBA order over many rounds so
+all see the same noise. A first round warms up and is not counted. The overhead is the median
+over rounds of the ratio of the two step rates measured in the same round: pairing the blocks
+of one round cancels this VM's slow drifts, which move whole rounds by several percent. The
+overhead of one launch still differs from the next one's (thread placement, memory layout), so
+each row is measured over several launches and shown as the median with the lowest and
+highest. The loops:
 
 * "natural": a small MLP trained with DDP (forward, backward, all-reduce, optimizer step);
 * "1k": one matrix product per step, about a thousand steps a second per rank (the
@@ -30,6 +37,7 @@ import nbddp
 from nbddp.display import text as text_view
 
 ROUNDS = 24
+LAUNCHES = 3  # the overhead moves between launches by more than within one
 
 
 def _loops(kind: str, steps: int) -> dict[str, list[float]]:
@@ -60,24 +68,41 @@ def _loops(kind: str, steps: int) -> dict[str, list[float]]:
         def step() -> torch.Tensor:
             return (a @ a).sum()
 
-    rates: dict[str, list[float]] = {"plain": [], "plain again": [], "live": []}
+    rates: dict[str, list[float]] = {"plain": [], "plain again": [], "read": [], "live": []}
     order = list(rates)
-    for round_ in range(ROUNDS):
+    for round_ in range(ROUNDS + 1):  # round 0 warms up
         for mode in order if round_ % 2 == 0 else reversed(order):
             nbddp.barrier()
             started = time.perf_counter()
-            if mode != "live":
+            if mode in ("plain", "plain again"):
                 for _ in range(steps):
                     step()
+            elif mode == "read":  # the least any logging does: read the value each step
+                for _ in range(steps):
+                    step().item()
+                    time.time()
             else:
                 for _ in nbddp.progress(range(steps), desc=kind):
                     loss = step()
                     nbddp.log(loss=loss, t=time.time())
-            rates[mode].append(steps / (time.perf_counter() - started))
+            if round_:
+                rates[mode].append(steps / (time.perf_counter() - started))
     return rates
 
 
-def _measure(kind: str, steps: int, workers: int) -> tuple[dict[str, float], list[float]]:
+def _slowdown(rates: dict[str, list[float]], mode: str) -> float:
+    """Median over rounds of how much slower ``mode`` ran than "plain" in the same round."""
+    return statistics.median(plain / other - 1 for plain, other in zip(
+        rates["plain"], rates[mode], strict=True))
+
+
+def _added_time(rates: dict[str, list[float]]) -> float:
+    """Median over rounds of the seconds a step of "live" took longer than one of "plain"."""
+    return statistics.median(1 / live - 1 / plain for plain, live in zip(
+        rates["plain"], rates["live"], strict=True))
+
+
+def _measure(kind: str, steps: int, workers: int) -> tuple[dict[str, list[float]], list[float]]:
     latencies: list[float] = []
     original = text_view.TextView.render
 
@@ -96,24 +121,43 @@ def _measure(kind: str, steps: int, workers: int) -> tuple[dict[str, float], lis
                                       device="cpu", display="text")
     finally:
         text_view.TextView.render = original  # type: ignore[method-assign]
-    return {mode: statistics.median(values) for mode, values in rates.items()}, latencies
+    return rates, latencies
 
 
-def run() -> str:
+def _spread(values: list[float], unit: str = "%", scale: float = 100) -> str:
+    """The median over launches, then the lowest and highest."""
+    low, mid, high = min(values), statistics.median(values), max(values)
+    if len(values) == 1:
+        return f"{scale * mid:+.1f}{unit}"
+    return f"{scale * mid:+.1f}{unit} ({scale * low:+.1f} to {scale * high:+.1f})"
+
+
+def run(launches: int = LAUNCHES) -> str:
     lines = [
-        "| loop | ranks | steps/s plain | with log+progress | overhead | A/A noise |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        f"Each row: {launches} launch(es) of {ROUNDS} rounds; the median over launches, then the "
+        "lowest and highest launch.",
+        "",
+        "| loop | ranks | steps/s plain | with log+progress | overhead | per step "
+        "| only .item() | A/A noise |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     all_latencies: list[float] = []
     for kind, steps in (("natural", 150), ("1k", 300), ("tiny", 1000), ("extreme", 10000)):
         for workers in (2, 1):
-            rates, latencies = _measure(kind, steps, workers)
-            all_latencies += latencies
-            plain, again, live = rates["plain"], rates["plain again"], rates["live"]
+            runs = []
+            for _ in range(launches):  # a launch's overhead differs from the next one's
+                rates, latencies = _measure(kind, steps, workers)
+                all_latencies += latencies
+                runs.append(rates)
+            plain = statistics.median(v for rates in runs for v in rates["plain"])
+            live = statistics.median(v for rates in runs for v in rates["live"])
             where = f"{workers} (gloo workers)" if workers > 1 else "1 (in the kernel)"
-            lines.append(f"| {kind} | {where} | {plain:,.0f} | {live:,.0f} | "
-                         f"{100 * (plain - live) / plain:+.1f}% | "
-                         f"{100 * (plain - again) / plain:+.1f}% |")
+            lines.append(
+                f"| {kind} | {where} | {plain:,.0f} | {live:,.0f} | "
+                f"{_spread([_slowdown(rates, 'live') for rates in runs])} | "
+                f"{_spread([_added_time(rates) for rates in runs], ' µs', 1e6)} | "
+                f"{_spread([_slowdown(rates, 'read') for rates in runs])} | "
+                f"{_spread([_slowdown(rates, 'plain again') for rates in runs])} |")
     all_latencies.sort()
     p50 = all_latencies[len(all_latencies) // 2] * 1000
     p95 = all_latencies[int(len(all_latencies) * 0.95)] * 1000

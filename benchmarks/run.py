@@ -210,7 +210,8 @@ def main() -> None:
         ("2. Training throughput", throughput(rounds=1 if quick else 5,
                                               steps=30 if quick else 150)),
         ("3. In-kernel fallback overhead", fallback(rounds=2 if quick else 20)),
-        ("4. nbddp.log / nbddp.progress overhead and latency", live_overhead.run()),
+        ("4. nbddp.log / nbddp.progress overhead and latency",
+         live_overhead.run(launches=1 if quick else live_overhead.LAUNCHES)),
     ]
     text = "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n" + "\n\n".join(
         f"## {title}\n\n{body}" for title, body in sections) + "\n"

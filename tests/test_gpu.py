@@ -68,3 +68,17 @@ def test_cuda_tensors_logged_every_step_arrive_as_floats():
                                  display="none", block=False)
     both.wait()
     assert len(both.history) == 300 and both.history[-1]["loss"] == 299.0
+
+
+def logs_a_running_total() -> None:
+    total = torch.zeros((), device=nbddp.device())
+    for _ in range(300):
+        total += 1  # in place, after the previous step logged it
+        nbddp.log(total=total)
+
+
+def test_a_cuda_tensor_changed_in_place_after_log_keeps_the_logged_value():
+    run = nbddp.notebook_launch(logs_a_running_total, num_workers=1, device="cuda",
+                                display="none", block=False)
+    run.wait()
+    assert [row["total"] for row in run.history] == [float(i) for i in range(1, 301)]

@@ -1,6 +1,7 @@
 """``nbddp.log`` and ``nbddp.progress``: cheap on the training thread, delivered in batches.
 
-The training thread only appends to a buffer: a logged CUDA tensor is detached, never read, so
+The training thread only appends to a buffer: a logged CUDA tensor is copied on its device (a
+queued copy, so a running sum changed in place later keeps the logged value), never read, so
 no call waits for the GPU. A flusher thread wakes every ``FLUSH_INTERVAL`` seconds, turns the
 pending tensors into floats with one device-to-host copy per device, and hands the rows and a
 snapshot of rank 0's progress bars to a sink: the channel in a worker, the run's state in the
@@ -181,7 +182,9 @@ def _scalar(name: str, value: Any) -> Any:
             )
         if value.device.type == "cpu":
             return value.item()  # reading a CPU tensor never waits for a device
-        return value.detach()  # read later, by the flusher, in one copy per device
+        # A copy queued on the device: a running total changed in place later must not change
+        # what was logged. Read later, by the flusher, in one copy to the host per device.
+        return value.detach().clone()
     if isinstance(value, float):
         return value
     if isinstance(value, numbers.Real):  # int, bool, numpy scalars
