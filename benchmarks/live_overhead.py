@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -90,16 +91,21 @@ def _loops(kind: str, steps: int) -> dict[str, list[float]]:
     return rates
 
 
-def _slowdown(rates: dict[str, list[float]], mode: str) -> float:
-    """Median over rounds of how much slower ``mode`` ran than "plain" in the same round."""
-    return statistics.median(plain / other - 1 for plain, other in zip(
+def _paired(rates: dict[str, list[float]], mode: str,
+            compare: Callable[[float, float], float]) -> float:
+    """Median over rounds of ``compare(plain rate, mode's rate)``, both from the same round."""
+    return statistics.median(compare(plain, other) for plain, other in zip(
         rates["plain"], rates[mode], strict=True))
 
 
-def _added_time(rates: dict[str, list[float]]) -> float:
-    """Median over rounds of the seconds a step of "live" took longer than one of "plain"."""
-    return statistics.median(1 / live - 1 / plain for plain, live in zip(
-        rates["plain"], rates["live"], strict=True))
+def _slowdown(plain: float, other: float) -> float:
+    """How much longer a step took than a plain one, as a fraction."""
+    return plain / other - 1
+
+
+def _added_time(plain: float, other: float) -> float:
+    """How many seconds longer a step took than a plain one."""
+    return 1 / other - 1 / plain
 
 
 def _measure(kind: str, steps: int, workers: int) -> tuple[dict[str, list[float]], list[float]]:
@@ -154,10 +160,10 @@ def run(launches: int = LAUNCHES) -> str:
             where = f"{workers} (gloo workers)" if workers > 1 else "1 (in the kernel)"
             lines.append(
                 f"| {kind} | {where} | {plain:,.0f} | {live:,.0f} | "
-                f"{_spread([_slowdown(rates, 'live') for rates in runs])} | "
-                f"{_spread([_added_time(rates) for rates in runs], ' µs', 1e6)} | "
-                f"{_spread([_slowdown(rates, 'read') for rates in runs])} | "
-                f"{_spread([_slowdown(rates, 'plain again') for rates in runs])} |")
+                f"{_spread([_paired(rates, 'live', _slowdown) for rates in runs])} | "
+                f"{_spread([_paired(rates, 'live', _added_time) for rates in runs], ' µs', 1e6)} | "
+                f"{_spread([_paired(rates, 'read', _slowdown) for rates in runs])} | "
+                f"{_spread([_paired(rates, 'plain again', _slowdown) for rates in runs])} |")
     all_latencies.sort()
     p50 = all_latencies[len(all_latencies) // 2] * 1000
     p95 = all_latencies[int(len(all_latencies) * 0.95)] * 1000

@@ -62,7 +62,7 @@ class _WarmProcess:
         return self.code
 
     def signal_group(self, signum: int) -> None:
-        from .workers import signal_group
+        from .workers import signal_group  # not at the top: the helper never needs workers.py
 
         signal_group(self.pid, signum)
 
