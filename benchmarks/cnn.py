@@ -31,8 +31,9 @@ def dataset(n: int = 4096) -> TensorDataset:
     return TensorDataset(images, torch.randint(0, 10, (n,), generator=g))
 
 
-def train_steps(model: torch.nn.Module, loader: DataLoader, steps: int, warmup: int = 10,
-                live: bool = False) -> float:
+def train_steps(
+    model: torch.nn.Module, loader: DataLoader, steps: int, warmup: int = 10, live: bool = False
+) -> float:
     """Steps per second over ``steps`` steps, after ``warmup`` untimed ones."""
     import nbddp
 

@@ -46,8 +46,11 @@ def _loops(kind: str, steps: int) -> dict[str, list[float]]:
 
     torch.manual_seed(0)
     if kind == "natural":
-        model = nbddp.prepare_model(torch.nn.Sequential(
-            torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
+        model = nbddp.prepare_model(
+            torch.nn.Sequential(
+                torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+            )
+        )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
 
@@ -91,11 +94,13 @@ def _loops(kind: str, steps: int) -> dict[str, list[float]]:
     return rates
 
 
-def _paired(rates: dict[str, list[float]], mode: str,
-            compare: Callable[[float, float], float]) -> float:
+def _paired(
+    rates: dict[str, list[float]], mode: str, compare: Callable[[float, float], float]
+) -> float:
     """Median over rounds of ``compare(plain rate, mode's rate)``, both from the same round."""
-    return statistics.median(compare(plain, other) for plain, other in zip(
-        rates["plain"], rates[mode], strict=True))
+    return statistics.median(
+        compare(plain, other) for plain, other in zip(rates["plain"], rates[mode], strict=True)
+    )
 
 
 def _slowdown(plain: float, other: float) -> float:
@@ -123,8 +128,9 @@ def _measure(kind: str, steps: int, workers: int) -> tuple[dict[str, list[float]
 
     text_view.TextView.render = render  # type: ignore[method-assign]
     try:
-        rates = nbddp.notebook_launch(_loops, (kind, steps), num_workers=workers,
-                                      device="cpu", display="text")
+        rates = nbddp.notebook_launch(
+            _loops, (kind, steps), num_workers=workers, device="cpu", display="text"
+        )
     finally:
         text_view.TextView.render = original  # type: ignore[method-assign]
     return rates, latencies
@@ -163,12 +169,16 @@ def run(launches: int = LAUNCHES) -> str:
                 f"{_spread([_paired(rates, 'live', _slowdown) for rates in runs])} | "
                 f"{_spread([_paired(rates, 'live', _added_time) for rates in runs], ' µs', 1e6)} | "
                 f"{_spread([_paired(rates, 'read', _slowdown) for rates in runs])} | "
-                f"{_spread([_paired(rates, 'plain again', _slowdown) for rates in runs])} |")
+                f"{_spread([_paired(rates, 'plain again', _slowdown) for rates in runs])} |"
+            )
     all_latencies.sort()
     p50 = all_latencies[len(all_latencies) // 2] * 1000
     p95 = all_latencies[int(len(all_latencies) * 0.95)] * 1000
-    lines += ["", f"log → render latency over {len(all_latencies)} renders: "
-              f"median {p50:.0f} ms, p95 {p95:.0f} ms (target p95 < 200 ms)."]
+    lines += [
+        "",
+        f"log → render latency over {len(all_latencies)} renders: "
+        f"median {p50:.0f} ms, p95 {p95:.0f} ms (target p95 < 200 ms).",
+    ]
     return "\n".join(lines)
 
 

@@ -40,8 +40,10 @@ def train(epochs: int = 3) -> torch.nn.Module:
             loss.backward()
             optimizer.step()
             total += loss.item()
-        nbddp.print(f"epoch {epoch}: loss {total / len(loader):.4f} "
-                    f"({nbddp.world_size()} ranks on {nbddp.device().type})")
+        nbddp.print(
+            f"epoch {epoch}: loss {total / len(loader):.4f} "
+            f"({nbddp.world_size()} ranks on {nbddp.device().type})"
+        )
     return model  # comes back to the caller on the CPU, DDP unwrapped
 
 

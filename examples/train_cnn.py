@@ -32,14 +32,18 @@ class SmallCNN(torch.nn.Module):
 
 
 def fake_mnist(size: int, offset: int = 0) -> datasets.FakeData:
-    return datasets.FakeData(size=size, image_size=(1, 28, 28), num_classes=10,
-                             transform=transforms.ToTensor(), random_offset=offset)
+    return datasets.FakeData(
+        size=size,
+        image_size=(1, 28, 28),
+        num_classes=10,
+        transform=transforms.ToTensor(),
+        random_offset=offset,
+    )
 
 
 def train(size: int, epochs: int, batch_size: int, lr: float) -> SmallCNN:
     model = nbddp.prepare_model(SmallCNN())
-    loader = nbddp.prepare_loader(DataLoader(fake_mnist(size), batch_size=batch_size,
-                                             shuffle=True))
+    loader = nbddp.prepare_loader(DataLoader(fake_mnist(size), batch_size=batch_size, shuffle=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     for epoch in nbddp.progress(range(epochs), desc="epoch"):
         for images, labels in nbddp.progress(loader, desc="batch"):
@@ -61,8 +65,12 @@ def positive(text: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=positive, default=None,
-                        help="ranks (default: one per GPU, or 2 on the CPU)")
+    parser.add_argument(
+        "--workers",
+        type=positive,
+        default=None,
+        help="ranks (default: one per GPU, or 2 on the CPU)",
+    )
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--epochs", type=positive, default=2)
     parser.add_argument("--size", type=positive, default=2048, help="training images")
@@ -72,11 +80,17 @@ def main() -> None:
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     workers = args.workers or (gpus if gpus else 2)
     device = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
-    model = nbddp.notebook_launch(train, (args.size, args.epochs, args.batch_size, args.lr),
-                                  num_workers=workers, device=device)
+    model = nbddp.notebook_launch(
+        train,
+        (args.size, args.epochs, args.batch_size, args.lr),
+        num_workers=workers,
+        device=device,
+    )
     run = nbddp.last_run()
-    print(f"done: {type(model).__name__} trained on {run.world_size} × {run.device} in "
-          f"{run.duration:.1f} s; final averaged loss {run.history[-1]['loss']:.3f}")
+    print(
+        f"done: {type(model).__name__} trained on {run.world_size} × {run.device} in "
+        f"{run.duration:.1f} s; final averaged loss {run.history[-1]['loss']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -24,10 +24,12 @@ def test_read_before_rebinding_is_shipped():
 
 
 def test_shadowing_by_import_def_class_and_with():
-    source = ("import torch.nn as nn\nfrom math import sqrt as root\n"
-              "def f(a):\n    return a\nclass C:\n    pass\n"
-              "with open(path) as fh:\n    text = fh.read()\n"
-              "out = nn, root, f, C, fh, text")
+    source = (
+        "import torch.nn as nn\nfrom math import sqrt as root\n"
+        "def f(a):\n    return a\nclass C:\n    pass\n"
+        "with open(path) as fh:\n    text = fh.read()\n"
+        "out = nn, root, f, C, fh, text"
+    )
     assert reads(source) == {"open", "path"}
     assert writes(source) == ["nn", "root", "f", "C", "fh", "text", "out"]
 
@@ -44,8 +46,10 @@ def test_nested_functions_read_globals_at_call_time():
 
 
 def test_globals_assigned_in_loops_and_nested_functions_come_back():
-    source = ("for epoch in range(epochs):\n    best = epoch\n"
-              "def bump():\n    global counter\n    counter = counter + 1\n")
+    source = (
+        "for epoch in range(epochs):\n    best = epoch\n"
+        "def bump():\n    global counter\n    counter = counter + 1\n"
+    )
     assert {"epoch", "best", "bump", "counter"} <= set(writes(source))
     assert {"range", "epochs", "counter"} <= reads(source)
 

@@ -10,8 +10,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def run_example(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(EXAMPLES / args[0]), *args[1:]],
-                          capture_output=True, text=True, timeout=110)
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / args[0]), *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
 
 
 def test_quickstart_trains_and_reports():

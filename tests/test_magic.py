@@ -16,10 +16,12 @@ def magic_kernel(kernel):
 
 def test_names_go_in_and_come_back(magic_kernel):
     k = magic_kernel
-    k.run("class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
-          "        self.fc = nn.Linear(2, 1)\n"
-          "def make():\n    return Net()\n"
-          "base, victim, counter = 10, 'bye', 0")
+    k.run(
+        "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(2, 1)\n"
+        "def make():\n    return Net()\n"
+        "base, victim, counter = 10, 'bye', 0"
+    )
     out, reply = k.run(
         f"{TWO}\n"
         "model = nbddp.prepare_model(make())\n"
@@ -32,8 +34,10 @@ def test_names_go_in_and_come_back(magic_kernel):
     )
     assert reply["status"] == "ok", out
     assert "200" in out  # the last expression, displayed like a normal cell's
-    out, _ = k.run("print(type(model) is Net, squares, counter, rank_seen, 'victim' in dir(),"
-                   " bump.__name__, sep=',')")
+    out, _ = k.run(
+        "print(type(model) is Net, squares, counter, rank_seen, 'victim' in dir(),"
+        " bump.__name__, sep=',')"
+    )
     assert out.strip() == "True,[0, 10, 20],2,0,False,bump"
 
 
@@ -47,8 +51,7 @@ def test_out_and_no_out_select_what_comes_back(magic_kernel):
 
 
 def test_errors_point_at_the_cell_line(magic_kernel):
-    out, reply = magic_kernel.run(
-        f"{TWO}\nx = 1\ny = 2\nraise ValueError(f'bad {{x + y}}')\n")
+    out, reply = magic_kernel.run(f"{TWO}\nx = 1\ny = 2\nraise ValueError(f'bad {{x + y}}')\n")
     assert reply["status"] == "error" and reply["ename"] == "WorkerError"
     assert "line 4, in <module>" in out and "raise ValueError(f'bad {x + y}')" in out
     out, reply = magic_kernel.run(f"{TWO}\nvalue = never_defined + 1")
@@ -72,8 +75,10 @@ def test_an_output_that_cannot_travel_back_is_skipped_with_a_warning(magic_kerne
 def test_one_worker_runs_in_the_kernel_namespace_like_a_normal_cell(magic_kernel):
     k = magic_kernel
     k.run("shared = []")
-    out, reply = k.run("%%ddp -n 1 --display none\nshared.append(nbddp.world_size())\n"
-                       "local_only = threading.Lock()\n41 + 1")
+    out, reply = k.run(
+        "%%ddp -n 1 --display none\nshared.append(nbddp.world_size())\n"
+        "local_only = threading.Lock()\n41 + 1"
+    )
     assert reply["status"] == "ok", out
     assert "42" in out
     # the very same list object was mutated, and an unpicklable name stays: no pickling at all
