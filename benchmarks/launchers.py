@@ -2,9 +2,12 @@
 
     python benchmarks/launchers.py METHOD REPEATS   -> prints {"first": s, "repeated": [s, ...]}
 
-Methods: nbddp-warm, nbddp-cold, accelerate, mp-spawn. Each first sleeps 3 s after its
-imports (so nbddp's helper, started at import, has had the time a user gives it between
-cells), then times one first launch and REPEATS more from the same process.
+Methods: nbddp-warm, nbddp-cold, accelerate (its fork-based ``notebook_launcher``), fabric
+(Lightning Fabric's fork-based ``ddp_notebook`` strategy), mp-fork (a bare
+``torch.multiprocessing.start_processes(..., start_method="fork")``), mp-spawn. Each first
+sleeps 3 s after its imports (so nbddp's helper, started at import in a kernel, has had the
+time a user gives it between cells), then times one first launch and REPEATS more from the
+same process.
 """
 
 from __future__ import annotations
@@ -32,11 +35,18 @@ def _accelerate_fn() -> None:
     accelerator.reduce(torch.ones(1, device=accelerator.device))
 
 
+def _fabric_fn(fabric: object) -> float:
+    import torch
+
+    t = torch.ones(1)
+    fabric.all_reduce(t)  # type: ignore[attr-defined]
+    return t.item()
+
+
 def _spawn_worker(rank: int, port: int) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     _allreduce_in_group()
     dist.destroy_process_group()
 
@@ -54,15 +64,31 @@ def main(method: str, repeats: int) -> None:
         os.environ["NBDDP_PREWARM"] = "0"
     if method.startswith("nbddp"):
         import nbddp
+        import nbddp.launch
+        from nbddp import forkserver
+
+        forkserver.prestart()  # is this: the helper starts at import
 
         def launch() -> None:
-            nbddp.notebook_launch(_allreduce_in_group, num_workers=2, device="cpu",
-                                  display="none")
+            nbddp.notebook_launch(_allreduce_in_group, num_workers=2, device="cpu", display="none")
     elif method == "accelerate":
         from accelerate import notebook_launcher
 
         def launch() -> None:
             notebook_launcher(_accelerate_fn, num_processes=2)
+    elif method == "fabric":
+        from lightning.fabric import Fabric
+
+        def launch() -> None:
+            Fabric(accelerator="cpu", devices=2, strategy="ddp_notebook").launch(_fabric_fn)
+    elif method == "mp-fork":
+        import torch
+        import torch.multiprocessing as mp
+
+        torch.ones(1).sum()  # as in a kernel that used torch already
+
+        def launch() -> None:
+            mp.start_processes(_spawn_worker, args=(_free_port(),), nprocs=2, start_method="fork")
     elif method == "mp-spawn":
         import torch.multiprocessing as mp
 

@@ -3,9 +3,11 @@
 Ratios are measured side by side in one run, interleaved, because these machines are noisy;
 lone absolute times mean little. Sections:
 
-1. launch latency of a trivial all_reduce on 2 CPU ranks: nbddp warm and cold, Accelerate's
-   notebook_launcher, torch.multiprocessing.spawn, torchrun, and a bare spawn of 2
-   ``python -c "import torch"`` (the floor for any fresh-interpreter launch);
+1. launch latency of a trivial all_reduce on 2 CPU ranks: nbddp warm and cold, Lightning
+   Fabric's ``ddp_notebook`` and Accelerate's ``notebook_launcher`` (both fork the kernel), a
+   bare ``torch.multiprocessing`` fork, torch.multiprocessing.spawn, torchrun, and a bare spawn
+   of 2 ``python -c "import torch"`` (the floor for any fresh-interpreter launch); then where
+   the milliseconds of nbddp's warm launch go (launch_phases.py);
 2. training throughput of the same small CNN on 2 ranks: nbddp (log + progress every step)
    vs a hand-written torchrun script;
 3. the in-kernel fallback vs calling the function directly;
@@ -54,24 +56,29 @@ def _timed(command: list[str]) -> float:
 
 
 def launch_latency(processes: int, repeats: int) -> str:
-    methods = ["nbddp-warm", "nbddp-cold", "accelerate", "mp-spawn"]
+    methods = ["nbddp-warm", "nbddp-cold", "fabric", "accelerate", "mp-fork", "mp-spawn"]
     first: dict[str, list[float]] = {m: [] for m in [*methods, "torchrun", "bare"]}
     repeated: dict[str, list[float]] = {m: [] for m in methods}
     notes: dict[str, str] = {}
     script = Path(tempfile.mkdtemp()) / "allreduce.py"
     script.write_text(_ALLREDUCE_SCRIPT)
     torchrun = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    bare = f"import subprocess as s; ps=[s.Popen([{PYTHON!r}, '-c', 'import torch']) " \
-           "for _ in range(2)]; [p.wait() for p in ps]"
+    bare = (
+        f"import subprocess as s; ps=[s.Popen([{PYTHON!r}, '-c', 'import torch']) "
+        "for _ in range(2)]; [p.wait() for p in ps]"
+    )
     for _ in range(processes):  # round-robin: every method sees the same machine state
         for method in methods:
-            done = subprocess.run([PYTHON, str(HERE / "launchers.py"), method, str(repeats)],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                [PYTHON, str(HERE / "launchers.py"), method, str(repeats)],
+                capture_output=True,
+                text=True,
+            )
             line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 notes[method] = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
                 continue
-            result = json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT ") :])
             first[method].append(result["first"])
             repeated[method].extend(result["repeated"])
         first["torchrun"].append(_timed([*torchrun, str(script)]))
@@ -80,10 +87,12 @@ def launch_latency(processes: int, repeats: int) -> str:
     labels = {
         "nbddp-warm": "nbddp, pre-warmed (default)",
         "nbddp-cold": "nbddp, cold (NBDDP_PREWARM=0)",
+        "fabric": "Lightning Fabric `ddp_notebook` (fork)",
         "accelerate": "Accelerate notebook_launcher (fork, Accelerator(cpu=True))",
+        "mp-fork": "bare `torch.multiprocessing` fork (start_processes, fork)",
         "mp-spawn": "torch.multiprocessing.spawn from a script",
         "torchrun": "torchrun on a script (whole command)",
-        "bare": "bare: 2 × `python -c \"import torch\"` in parallel",
+        "bare": 'bare: 2 × `python -c "import torch"` in parallel',
     }
     rows = ["| launcher | first launch (s) | repeated launch (s) |", "| --- | ---: | ---: |"]
     for method, label in labels.items():
@@ -92,14 +101,22 @@ def launch_latency(processes: int, repeats: int) -> str:
             continue
         again = f"{_median(repeated[method]):.3f}" if repeated.get(method) else "n/a (new process)"
         rows.append(f"| {label} | {_median(first[method]):.3f} | {again} |")
-    warm, cold, bare_t = (_median(first["nbddp-warm"]), _median(first["nbddp-cold"]),
-                          _median(first["bare"]))
-    rows += ["", f"nbddp cold / bare import floor: {cold / bare_t:.2f}× (target ≤ 1.1×). "
-             f"nbddp warm first launch: {warm:.3f} s"]
+    warm, cold, bare_t = (
+        _median(first["nbddp-warm"]),
+        _median(first["nbddp-cold"]),
+        _median(first["bare"]),
+    )
+    rows += [
+        "",
+        f"nbddp cold / bare import floor: {cold / bare_t:.2f}× (target ≤ 1.1×). "
+        f"nbddp warm first launch: {warm:.3f} s",
+    ]
     if first["accelerate"]:
         rows[-1] += f" vs Accelerate's {_median(first['accelerate']):.3f} s (target ≤)."
-    rows.append(f"Medians of {processes} fresh processes (first launch, 3 s after import) and "
-                f"{processes * repeats} repeated launches; torchrun and bare: {processes} runs.")
+    rows.append(
+        f"Medians of {processes} fresh processes (first launch, 3 s after import) and "
+        f"{processes * repeats} repeated launches; torchrun and bare: {processes} runs."
+    )
     return "\n".join(rows)
 
 
@@ -112,32 +129,49 @@ def throughput(rounds: int, steps: int) -> str:
     import nbddp
 
     script = Path(tempfile.mkdtemp()) / "train_torchrun.py"
-    script.write_text(f"import sys; sys.path.insert(0, {str(HERE)!r})\n"
-                      f"from cnn import torchrun_main\ntorchrun_main({steps})\n")
-    torchrun = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                str(script)]
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(HERE)!r})\n"
+        f"from cnn import torchrun_main\ntorchrun_main({steps})\n"
+    )
+    torchrun = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+    ]
     warm, cold, theirs = [], [], []
     for _ in range(rounds):  # interleaved: the three see the same machine state
         for rates, prewarm in ((warm, "1"), (cold, "0")):
             os.environ["NBDDP_PREWARM"] = prewarm
-            rates.append(nbddp.notebook_launch(nbddp_run, (steps,), num_workers=2,
-                                               device="cpu", display="none"))
+            rates.append(
+                nbddp.notebook_launch(
+                    nbddp_run, (steps,), num_workers=2, device="cpu", display="none"
+                )
+            )
         os.environ.pop("NBDDP_PREWARM")
         out = subprocess.run(torchrun, capture_output=True, text=True, check=True).stdout
         theirs.append(float(next(x for x in out.splitlines() if x.startswith("RATE ")).split()[1]))
     b = _median(theirs)
     spread = max(theirs) / min(theirs)
-    return "\n".join([
-        "| small CNN, 2 gloo ranks, batch 64 | steps/s (median) | min – max |",
-        "| --- | ---: | ---: |",
-        f"| hand-written torchrun script | {b:.1f} | {min(theirs):.1f} – {max(theirs):.1f} |",
-        *(f"| nbddp ({label}), log + progress every step | {_median(r):.1f} | "
-          f"{min(r):.1f} – {max(r):.1f} |" for label, r in (("warm", warm), ("cold", cold))),
-        "", f"nbddp warm / torchrun: {_median(warm) / b:.2f}×, nbddp cold / torchrun: "
+    return "\n".join(
+        [
+            "| small CNN, 2 gloo ranks, batch 64 | steps/s (median) | min – max |",
+            "| --- | ---: | ---: |",
+            f"| hand-written torchrun script | {b:.1f} | {min(theirs):.1f} – {max(theirs):.1f} |",
+            *(
+                f"| nbddp ({label}), log + progress every step | {_median(r):.1f} | "
+                f"{min(r):.1f} – {max(r):.1f} |"
+                for label, r in (("warm", warm), ("cold", cold))
+            ),
+            "",
+            f"nbddp warm / torchrun: {_median(warm) / b:.2f}×, nbddp cold / torchrun: "
             f"{_median(cold) / b:.2f}× (target ≥ 0.98×); {rounds} interleaved rounds of "
             f"{steps} timed steps. The same torchrun command varied {spread:.2f}× between "
             "rounds on this machine: read differences smaller than that as noise.",
-    ])
+        ]
+    )
 
 
 # -- 3. the fallback ---------------------------------------------------------------------------
@@ -166,9 +200,22 @@ def fallback(rounds: int) -> str:
             work() if name == "direct" else launched()
             times[name].append(time.perf_counter() - started)
     a, b = _median(times["launched"]), _median(times["direct"])
-    return (f"`notebook_launch(fn, num_workers=1)` (in the kernel, world-size-1 process group) "
-            f"took {a:.3f} s vs {b:.3f} s calling `fn()` directly: {a / b:.3f}× "
-            f"(target ≤ 1.02×; medians of {rounds} rounds in ABBA order).")
+    return (
+        f"`notebook_launch(fn, num_workers=1)` (in the kernel, world-size-1 process group) "
+        f"took {a:.3f} s vs {b:.3f} s calling `fn()` directly: {a / b:.3f}× "
+        f"(target ≤ 1.02×; medians of {rounds} rounds in ABBA order)."
+    )
+
+
+def _in_fresh_process(module: str, quick: bool) -> str:
+    """A section measured in a process of its own (it instruments nbddp's internals)."""
+    done = subprocess.run(
+        [PYTHON, str(HERE / f"{module}.py"), "5" if quick else "30"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -193,10 +240,12 @@ def machine() -> str:
         acc = "not installed"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = f"GPU: {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
-    return (f"- date: {datetime.date.today()}\n- machine: {cpu}, {os.cpu_count()} cores, "
-            f"{memory:.0f} GiB, {gpu}\n"
-            f"- Python {platform.python_version()}, torch {torch.__version__}, "
-            f"nbddp {nbddp.__version__}, accelerate {acc}")
+    return (
+        f"- date: {datetime.date.today()}\n- machine: {cpu}, {os.cpu_count()} cores, "
+        f"{memory:.0f} GiB, {gpu}\n"
+        f"- Python {platform.python_version()}, torch {torch.__version__}, "
+        f"nbddp {nbddp.__version__}, accelerate {acc}"
+    )
 
 
 def main() -> None:
@@ -205,16 +254,26 @@ def main() -> None:
 
     sections = [
         ("Machine", machine()),
-        ("1. Launch latency (trivial all_reduce, 2 CPU ranks)",
-         launch_latency(processes=2 if quick else 5, repeats=2 if quick else 5)),
-        ("2. Training throughput", throughput(rounds=1 if quick else 5,
-                                              steps=30 if quick else 150)),
+        (
+            "1. Launch latency (trivial all_reduce, 2 CPU ranks)",
+            launch_latency(processes=2 if quick else 5, repeats=2 if quick else 5),
+        ),
+        ("1b. Where a warm launch's time goes", _in_fresh_process("launch_phases", quick)),
+        (
+            "2. Training throughput",
+            throughput(rounds=1 if quick else 5, steps=30 if quick else 150),
+        ),
         ("3. In-kernel fallback overhead", fallback(rounds=2 if quick else 20)),
-        ("4. nbddp.log / nbddp.progress overhead and latency",
-         live_overhead.run(launches=1 if quick else live_overhead.LAUNCHES)),
+        (
+            "4. nbddp.log / nbddp.progress overhead and latency",
+            live_overhead.run(launches=1 if quick else live_overhead.LAUNCHES),
+        ),
     ]
-    text = "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n" + "\n\n".join(
-        f"## {title}\n\n{body}" for title, body in sections) + "\n"
+    text = (
+        "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n"
+        + "\n\n".join(f"## {title}\n\n{body}" for title, body in sections)
+        + "\n"
+    )
     (HERE / "RESULTS.md").write_text(text)
     print(text)
 

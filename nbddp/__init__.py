@@ -5,48 +5,34 @@ Worker side (inside the launched function; each also works outside a launch as r
 :func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
 :func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`,
 :func:`log`, :func:`progress`.
+
+The kernel-side names are imported on first use, so a rank (or a script that only asks
+``nbddp.rank()``) never loads the launcher, the display or IPython.
 """
 
-import contextlib
+from __future__ import annotations
 
-from .errors import LaunchTimeout, NbddpError, SerializationError, WorkerError
-from .launch import notebook_launch
-from .run import Run, last_run
+import sys
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    LaunchTimeout,
+    NbddpError,
+    NbddpWarning,
+    RunStopped,
+    SerializationError,
+    WorkerError,
+)
 from .worker.context import barrier, device, is_main, local_rank, print, rank, world_size
 from .worker.live import log, progress
 from .worker.prepare import prepare_loader, prepare_model, unwrap
 
-__version__ = "0.1.0"
-
-
-def _prestart_warm_workers() -> None:
-    """Get the pre-warmed worker helper going now, so the first launch is fast already."""
-    from .warm import prestart
-    from .workers import ColdStarter
-
-    with contextlib.suppress(OSError):  # then launches start cold; nothing else changes
-        prestart(ColdStarter())
-
-
-_prestart_warm_workers()
-
-
-def load_ipython_extension(ipython: object) -> None:
-    """``%load_ext nbddp``: registers the ``%%ddp`` cell magic."""
-    from .magic import load_ipython_extension as load
-
-    load(ipython)
-
-
-def unload_ipython_extension(ipython: object) -> None:
-    from .magic import unload_ipython_extension as unload
-
-    unload(ipython)
-
 __all__ = [
     "LaunchTimeout",
     "NbddpError",
+    "NbddpWarning",
     "Run",
+    "RunStopped",
     "SerializationError",
     "WorkerError",
     "barrier",
@@ -64,3 +50,56 @@ __all__ = [
     "unwrap",
     "world_size",
 ]
+
+__version__ = "0.2.0"
+
+if TYPE_CHECKING:
+    from .launch import notebook_launch
+    from .run import Run, last_run
+
+_KERNEL_SIDE = {"notebook_launch": "launch", "Run": "run", "last_run": "run"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _KERNEL_SIDE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def _in_a_kernel() -> bool:
+    """A Jupyter kernel or an IPython shell: where the first launch should already be fast."""
+    if "ipykernel" in sys.modules:
+        return True
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and ipython.get_ipython() is not None
+
+
+if _in_a_kernel():  # a launch will come: be ready for it (helper, launcher, ~30 ms imports)
+    from . import launch as _launch
+    from .forkserver import prestart
+
+    prestart()
+    del _launch
+
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext nbddp``: registers the ``%%ddp`` cell magic."""
+    from .magic import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: object) -> None:
+    """``%unload_ext nbddp``: removes the ``%%ddp`` cell magic."""
+    from .magic import unload_ipython_extension as unload
+
+    unload(ipython)

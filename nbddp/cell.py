@@ -1,4 +1,5 @@
-"""A notebook cell as a DDP job: which names go in, which come out, and running it in a worker.
+"""A notebook cell as a DDP job: which names go in and which come out (the kernel's half; the
+ranks run the cell with ``worker/cell.py``).
 
 Name analysis uses the compiler's own scoping (``symtable``) for nested functions, classes and
 comprehensions, and walks the top-level statements in order (``ast``) to tell a name the cell
@@ -12,18 +13,30 @@ Non-goal: IPython syntax inside the cell (``!cmd``, ``%magic``): workers have no
 from __future__ import annotations
 
 import ast
-import builtins
 import linecache
 import symtable
 from dataclasses import dataclass
-from typing import Any
-
-from . import payload
-from .worker.context import is_main
+from typing import Any, cast
 
 # IPython's own names in the user namespace: never shipped, never brought back.
-_IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___",
-                            "_i", "_ii", "_iii", "_oh", "_ih", "_dh"})
+_IPYTHON_NAMES = frozenset(
+    {
+        "In",
+        "Out",
+        "get_ipython",
+        "exit",
+        "quit",
+        "_",
+        "__",
+        "___",
+        "_i",
+        "_ii",
+        "_iii",
+        "_oh",
+        "_ih",
+        "_dh",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -75,8 +88,11 @@ class _Loads(ast.NodeVisitor):
         self.generic_visit(node)
 
     def _visit_function(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> None:
-        for expr in [*getattr(node, "decorator_list", []), *node.args.defaults,
-                     *(d for d in node.args.kw_defaults if d is not None)]:
+        for expr in [
+            *getattr(node, "decorator_list", []),
+            *node.args.defaults,
+            *(d for d in node.args.kw_defaults if d is not None),
+        ]:
             self.visit(expr)
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _visit_function
@@ -110,7 +126,8 @@ def _scan(block: list[ast.stmt], defined: set[str], reads: set[str]) -> None:
             reads |= _loads(statement.test) - defined
             _scan(statement.body, set(defined), reads)
             _scan(statement.orelse, set(defined), reads)
-        elif isinstance(statement, ast.Try) or type(statement).__name__ == "TryStar":
+        elif isinstance(statement, _TRY_STATEMENTS):
+            statement = cast(ast.Try, statement)  # try/except* has the same fields
             _scan(statement.body, set(defined), reads)
             for handler in statement.handlers:
                 if handler.type is not None:
@@ -123,6 +140,11 @@ def _scan(block: list[ast.stmt], defined: set[str], reads: set[str]) -> None:
             reads |= _loads(statement) - defined
             defined |= _definite_bindings(statement)
             defined -= _deleted(statement)
+
+
+_TRY_STATEMENTS: tuple[type[ast.stmt], ...] = (
+    (ast.Try, ast.TryStar) if hasattr(ast, "TryStar") else (ast.Try,)
+)
 
 
 def _stored(target: ast.expr) -> set[str]:
@@ -141,8 +163,12 @@ def _definite_bindings(statement: ast.stmt) -> set[str]:
         targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
         if isinstance(statement, ast.AnnAssign) and statement.value is None:
             return set()
-        return {n.id for t in targets for n in ast.walk(t)
-                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        return {
+            n.id
+            for t in targets
+            for n in ast.walk(t)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+        }
     if isinstance(statement, (ast.Import, ast.ImportFrom)):
         return {(a.asname or a.name).split(".")[0] for a in statement.names if a.name != "*"}
     if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -165,33 +191,8 @@ def register_source(filename: str, source: str) -> None:
 def shows_last_value(source: str) -> bool:
     """Like IPython: the last expression is shown unless the cell ends with ';'."""
     tree = ast.parse(source)
-    return bool(tree.body) and isinstance(tree.body[-1], ast.Expr) and not (
-        source.rstrip().endswith(";"))
-
-
-def run_cell(source: str, filename: str, inputs: dict[str, Any], out_names: tuple[str, ...],
-             show_last: bool) -> dict[str, Any] | None:
-    """Run on every rank; rank 0 returns what goes back into the notebook namespace."""
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **inputs}
-    tree = ast.parse(source, filename)
-    last = tree.body.pop() if show_last else None
-    exec(compile(tree, filename, "exec"), namespace)
-    shown = None
-    if isinstance(last, ast.Expr):
-        shown = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
-    if not is_main():
-        return None
-    values, skipped = {}, {}
-    for name in out_names:
-        if name not in namespace:
-            continue
-        failure = payload.check_picklable(namespace[name])
-        if failure is None:
-            values[name] = namespace[name]
-        else:
-            skipped[name] = f"{type(failure).__name__}: {failure}"
-    if shown is not None and payload.check_picklable(shown) is not None:
-        skipped["(the cell's last value)"] = "it cannot be pickled"
-        shown = None
-    deleted = [name for name in out_names if name not in namespace]
-    return {"values": values, "skipped": skipped, "deleted": deleted, "shown": shown}
+    return (
+        bool(tree.body)
+        and isinstance(tree.body[-1], ast.Expr)
+        and not (source.rstrip().endswith(";"))
+    )

@@ -1,22 +1,40 @@
-"""The exceptions nbddp raises in the notebook, each message written in its class.
+"""The exceptions and warnings nbddp raises in the notebook, each message written in its class.
 
     NbddpError
-    ├── WorkerError         (also RuntimeError)  a rank raised, crashed or was killed
-    ├── SerializationError  (also TypeError)     something cannot travel to or from the workers
-    └── LaunchTimeout       (also TimeoutError)  the run outlived its ``timeout=``
+    ├── WorkerError         (also RuntimeError)  a rank raised, crashed or was killed; when
+    │                                            the rank raised an Exception whose class the
+    │                                            kernel can import, the error raised is also
+    │                                            an instance of that class
+    ├── SerializationError  (also TypeError)     something cannot travel to or from the ranks
+    ├── LaunchTimeout       (also TimeoutError)  the run outlived its ``timeout=``
+    └── RunStopped                               the run was stopped, so it has no result
+    NbddpWarning            (a UserWarning)      shown once, e.g. the kernel holds GPU memory
 
 Bad arguments are plain ``ValueError`` raised before any process starts (see ``plan.py``).
 """
 
 from __future__ import annotations
 
+import importlib
 import signal
+from typing import Any
 
-__all__ = ["LaunchTimeout", "NbddpError", "SerializationError", "WorkerError"]
+__all__ = [
+    "LaunchTimeout",
+    "NbddpError",
+    "NbddpWarning",
+    "RunStopped",
+    "SerializationError",
+    "WorkerError",
+]
 
 
 class NbddpError(Exception):
     """Base of every error nbddp raises on purpose."""
+
+
+class NbddpWarning(UserWarning):
+    """Something the user should know about a launch; shown by Python's default filters."""
 
 
 class WorkerError(NbddpError, RuntimeError):
@@ -24,7 +42,7 @@ class WorkerError(NbddpError, RuntimeError):
 
     ``exc_type`` is the name of the remote exception, or ``None`` when the rank died without one
     (a signal, ``os._exit``, a segfault). ``__cause__`` is the remote exception itself when it
-    could be rebuilt in the kernel.
+    could be rebuilt in the kernel. ``node`` is the address of the rank's machine on a cluster.
     """
 
     def __init__(
@@ -36,6 +54,8 @@ class WorkerError(NbddpError, RuntimeError):
         exc_message: str = "",
         remote_traceback: str = "",
         hint: str = "",
+        node: str | None = None,
+        summary: str = "",
     ) -> None:
         self.rank = rank
         self.exitcode = exitcode
@@ -43,15 +63,20 @@ class WorkerError(NbddpError, RuntimeError):
         self.exc_message = exc_message
         self.remote_traceback = remote_traceback
         self.hint = hint
+        self.node = node
+        self.summary = summary  # replaces the first line when set (e.g. an early exit)
         super().__init__(self._message())
 
     def _message(self) -> str:
-        if self.exc_type is not None:
-            head = f"rank {self.rank} raised {self.exc_type}"
+        where = f"rank {self.rank}" + (f" (on {self.node})" if self.node else "")
+        if self.summary:
+            head = self.summary
+        elif self.exc_type is not None:
+            head = f"{where} raised {self.exc_type}"
             if self.exc_message:
                 head += f": {self.exc_message}"
         else:
-            head = f"rank {self.rank} {describe_exit(self.exitcode)}"
+            head = f"{where} {describe_exit(self.exitcode)}"
         parts = [head]
         if self.hint:
             parts.append(self.hint)
@@ -60,19 +85,137 @@ class WorkerError(NbddpError, RuntimeError):
             parts.append(f"\n--- traceback on rank {self.rank} ---\n{trace}")
         return "\n".join(parts)
 
-    def __reduce__(self):  # keep the fields when the error is pickled (e.g. by a Run handle)
+    def __str__(self) -> str:  # also for the combined classes, whose other base may differ
+        return self._message()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._message().splitlines()[0]!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the fields when the error is pickled
         return (
             _rebuild_worker_error,
-            (self.rank, self.exitcode, self.exc_type, self.exc_message,
-             self.remote_traceback, self.hint),
+            (
+                self.rank,
+                self.exitcode,
+                self.exc_type,
+                self.exc_message,
+                self.remote_traceback,
+                self.hint,
+                self.node,
+                self.summary,
+            ),
         )
 
+    @classmethod
+    def raised(
+        cls,
+        rank: int,
+        exc_type: str,
+        message: str,
+        traceback: str,
+        original: BaseException | None,
+        remote_class: type | None = None,
+        node: str | None = None,
+    ) -> WorkerError:
+        """The error for a rank that raised: also an instance of the remote exception's class
+        when that class is an ``Exception`` the kernel has (so ``except ValueError:`` around a
+        launch catches a rank's ValueError), a plain WorkerError otherwise."""
+        remote_class = type(original) if original is not None else remote_class
+        combined = _combined_class(remote_class) if remote_class is not None else None
+        error: WorkerError
+        if combined is not None:
+            try:
+                error = Exception.__new__(combined)
+                if original is not None:  # what the user's __init__ set, e.g. error.code
+                    error.__dict__.update(getattr(original, "__dict__", {}))
+                WorkerError.__init__(
+                    error,
+                    rank,
+                    exc_type=exc_type,
+                    exc_message=message,
+                    remote_traceback=traceback,
+                    node=node,
+                )
+            except Exception:  # a class whose instances cannot be made this way
+                combined = None
+        if combined is None:
+            error = cls(
+                rank, exc_type=exc_type, exc_message=message, remote_traceback=traceback, node=node
+            )
+        if original is not None:
+            error.__cause__ = original
+        return error
 
-def _rebuild_worker_error(rank, exitcode, exc_type, exc_message, remote_traceback, hint):
+
+def _rebuild_worker_error(
+    rank: int,
+    exitcode: int | None,
+    exc_type: str | None,
+    exc_message: str,
+    remote_traceback: str,
+    hint: str,
+    node: str | None = None,
+    summary: str = "",
+) -> WorkerError:
     return WorkerError(
-        rank, exitcode=exitcode, exc_type=exc_type, exc_message=exc_message,
-        remote_traceback=remote_traceback, hint=hint,
+        rank,
+        exitcode=exitcode,
+        exc_type=exc_type,
+        exc_message=exc_message,
+        remote_traceback=remote_traceback,
+        hint=hint,
+        node=node,
+        summary=summary,
     )
+
+
+_COMBINED: dict[type, type[WorkerError] | None] = {}
+
+
+def _combined_class(remote: type) -> type[WorkerError] | None:
+    """``WorkerError`` and ``remote`` in one class, or None where they cannot be combined:
+    BaseException-only types (KeyboardInterrupt, SystemExit), nbddp's own errors, and classes
+    whose instance layout conflicts (OSError, SyntaxError, ...)."""
+    if not isinstance(remote, type) or not issubclass(remote, Exception):
+        return None
+    if issubclass(remote, NbddpError) or remote in (Exception, RuntimeError):
+        return None
+    if remote not in _COMBINED:
+        try:
+            _COMBINED[remote] = type(  # a WorkerError subclass
+                "WorkerError",  # what IPython shows: the rank's class is in the message
+                (WorkerError, remote),
+                {
+                    "__module__": "nbddp.errors",
+                    "__qualname__": f"WorkerError[{remote.__name__}]",
+                    "__str__": WorkerError.__str__,
+                    "__repr__": WorkerError.__repr__,
+                    "__reduce__": WorkerError.__reduce__,
+                    "__init__": WorkerError.__init__,
+                },
+            )
+        except TypeError:  # layout or method-order conflict
+            _COMBINED[remote] = None
+    return _COMBINED[remote]
+
+
+def import_class(qualified: str) -> type | None:
+    """The class ``module.Qual.Name`` when the kernel can import it without side effects it
+    had not already paid (only modules already imported are looked at)."""
+    import sys
+
+    module_name, _, qualname = qualified.rpartition(".")
+    while module_name and module_name not in sys.modules:
+        module_name, _, head = module_name.rpartition(".")
+        qualname = f"{head}.{qualname}"
+    if not module_name:
+        return None
+    found: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return None
+    return found if isinstance(found, type) else None
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -92,12 +235,12 @@ def describe_exit(exitcode: int | None) -> str:
             text += ", a crash in native code (a C/CUDA extension)"
         return text
     if exitcode == 0:
-        return "exited with code 0 without returning a value (did it call sys.exit or os._exit?)"
+        return "exited with code 0 without returning a value (did it call os._exit(0)?)"
     return f"exited with code {exitcode} without a Python traceback (os._exit or a native crash)"
 
 
 class SerializationError(NbddpError, TypeError):
-    """An object cannot be pickled to travel between the notebook and the workers.
+    """An object cannot be pickled to travel between the notebook and the ranks.
 
     ``path`` walks from what was being sent down to the culprit, e.g.
     ``train -> global 'lock' -> _thread.lock``.
@@ -107,19 +250,23 @@ class SerializationError(NbddpError, TypeError):
         self.what = what
         self.path = path
         self.reason = reason
+        self.hint = hint
         message = f"cannot send {what}: {path} cannot be pickled ({reason})."
-        message += "\n" + (hint or (
-            "Create such objects inside the function (or the %%ddp cell) instead of "
-            "capturing them from the notebook, or pass something picklable in their place."
-        ))
+        message += "\n" + (
+            hint
+            or (
+                "Create such objects inside the function (or the %%ddp cell) instead of "
+                "capturing them from the notebook, or pass something picklable in their place."
+            )
+        )
         super().__init__(message)
 
-    def __reduce__(self):
-        return (type(self), (self.what, self.path, self.reason))
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.what, self.path, self.reason, self.hint))
 
 
 class LaunchTimeout(NbddpError, TimeoutError):
-    """The run took longer than its ``timeout``; every worker was terminated."""
+    """The run took longer than its ``timeout``; every rank was terminated."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -128,5 +275,16 @@ class LaunchTimeout(NbddpError, TimeoutError):
             "Pass a larger timeout= (or None for no limit)."
         )
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.timeout,))
+
+
+class RunStopped(NbddpError):
+    """``Run.result()`` of a run that was stopped (its Stop button, ``stop()`` or an
+    interrupt) before it finished."""
+
+    def __init__(self) -> None:
+        super().__init__("the run was stopped before it finished, so it has no result.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), ())

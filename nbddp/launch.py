@@ -1,4 +1,4 @@
-"""``notebook_launch``: plan, then run in the kernel (one rank) or in worker processes."""
+"""``notebook_launch``: resolve a plan, pick the backend that runs it, drive a :class:`Run`."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import payload
-from .fallback import run_in_kernel
+from .backend import Backend
+from .errors import NbddpWarning
+from .in_kernel import InKernel, device_name
 from .plan import LaunchPlan, make_plan
-from .run import Run
-from .workers import WorkerGroup
+from .run import Run, remember
+from .supervisor import LocalWorkers
 
 
 def notebook_launch(
@@ -48,32 +50,31 @@ def notebook_launch(
         raise ValueError(f"args={args!r} must be a tuple or list of positional arguments.")
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise ValueError(f"kwargs={kwargs!r} must be a dict of keyword arguments.")
-    args, kwargs = tuple(args), dict(kwargs or {})
     plan = make_plan(
-        num_workers=num_workers, device=device, backend=backend, gpus=gpus, timeout=timeout,
-        display=display, output=output, return_all=return_all, block=block, env=env,
+        num_workers=num_workers,
+        device=device,
+        backend=backend,
+        gpus=gpus,
+        timeout=timeout,
+        display=display,
+        output=output,
+        return_all=return_all,
+        block=block,
+        env=env,
     )
-    return launch_plan(fn, args, kwargs, plan)
+    return launch_plan(fn, tuple(args), dict(kwargs or {}), plan)
 
 
-def launch_plan(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchPlan) -> Any:
-    """Run a resolved plan: in the kernel for one rank, else in worker processes."""
+def launch_plan(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], plan: LaunchPlan
+) -> Any:
+    """Run a resolved plan with the backend it needs; wait for it unless ``plan.block`` is
+    False."""
     __tracebackhide__ = True  # IPython: show the user's frames, not ours
-    if plan.in_kernel:
-        return run_in_kernel(fn, args, kwargs, plan)
-
-    call = payload.dumps_call(fn, args, kwargs)  # SerializationError before any process
-    _warn_if_kernel_holds_gpus(plan)
-    run = Run(plan, device_name="cpu" if plan.device == "cpu" else "GPU")
-    run._show(plan.display, blocking=plan.block)
-    group = WorkerGroup(plan, call, run.state, on_finish=run._finish,
-                        output=run.state.as_stream() if run._shows_panel else None)
-    run._stopper = group.stop
-    try:
-        group.start()
-    except BaseException as exc:
-        run._finish("failed", error=exc)
-        raise
+    backend, name = _backend_for(fn, args, kwargs, plan)
+    run = Run(plan, backend, name)
+    remember(run)
+    run.start()
     if not plan.block:
         return run
     try:
@@ -84,8 +85,19 @@ def launch_plan(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: LaunchP
     return run.result()
 
 
+def _backend_for(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], plan: LaunchPlan
+) -> tuple[Backend, str]:
+    """The backend and the device's name for the header; raises before anything starts."""
+    if plan.in_kernel:
+        return InKernel(plan, fn, args, kwargs), device_name(plan)
+    call = payload.dumps_call(fn, args, kwargs)  # SerializationError before any process
+    _warn_if_kernel_holds_gpus(plan)
+    return LocalWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
+
+
 def _stop_despite_interrupts(run: Run) -> None:
-    """A second Ctrl-C must not leave workers behind: keep waiting for the teardown."""
+    """A second Ctrl-C must not leave ranks behind: keep waiting for the teardown."""
     while True:
         try:
             run.stop()
@@ -100,7 +112,7 @@ def _warn_if_kernel_holds_gpus(plan: LaunchPlan) -> None:
         return
     import torch
 
-    if not torch.cuda.is_initialized():
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return
     held = []
     for index in sorted(set(plan.gpus)):
@@ -110,7 +122,6 @@ def _warn_if_kernel_holds_gpus(plan: LaunchPlan) -> None:
         "this kernel holds a CUDA context on " + ", ".join(held) + ", which the workers also "
         "use: they have that much less memory. If a rank runs out of memory, free it with "
         "`del` and torch.cuda.empty_cache(), or restart the kernel before launching.",
-        ResourceWarning,
-        stacklevel=3,
+        NbddpWarning,
+        stacklevel=4,
     )
-

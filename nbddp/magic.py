@@ -24,9 +24,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from . import cell as cells
 from . import payload
 from .errors import NbddpError, SerializationError, WorkerError
-from .fallback import run_in_kernel
 from .launch import launch_plan
-from .plan import make_plan
+from .plan import BACKENDS, DEVICE_OPTIONS, DISPLAYS, OUTPUTS, LaunchPlan, make_plan
+from .worker.cell import CellOutcome, run_cell
 
 _counter = itertools.count(1)
 
@@ -42,17 +42,27 @@ class _CellFailed(NbddpError):
 @magics_class
 class DDPMagics(Magics):
     @magic_arguments()
-    @argument("-n", "--num-workers", type=int, default=None,
-              help="ranks to run (default: one per visible GPU; 1 without GPU = in the kernel)")
-    @argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    @argument("--backend", choices=["nccl", "gloo"], default=None,
-              help="default: nccl on cuda, gloo on cpu")
+    @argument(
+        "-n",
+        "--num-workers",
+        type=int,
+        default=None,
+        help="ranks to run (default: one per visible GPU; 1 without GPU = in the kernel)",
+    )
+    @argument("--device", choices=DEVICE_OPTIONS, default="auto")
+    @argument(
+        "--backend", choices=BACKENDS, default=None, help="default: nccl on cuda, gloo on cpu"
+    )
     @argument("--timeout", type=float, default=None, help="seconds for the whole run")
-    @argument("--display", choices=["auto", "widget", "text", "none"], default="auto")
-    @argument("--output", choices=["rank0", "all", "none"], default="rank0",
-              help="whose prints reach the notebook")
-    @argument("--out", type=str, default=None, metavar="NAME,NAME",
-              help="bring back only these names (default: every name the cell assigns)")
+    @argument("--display", choices=DISPLAYS, default="auto")
+    @argument("--output", choices=OUTPUTS, default="rank0", help="whose prints reach the notebook")
+    @argument(
+        "--out",
+        type=str,
+        default=None,
+        metavar="NAME,NAME",
+        help="bring back only these names (default: every name the cell assigns)",
+    )
     @argument("--no-out", action="store_true", help="bring nothing back into the notebook")
     @cell_magic
     def ddp(self, line: str, cell: str) -> Any:
@@ -70,8 +80,11 @@ class DDPMagics(Magics):
         try:
             plan = make_plan(
                 num_workers="auto" if args.num_workers is None else args.num_workers,
-                device=args.device, backend=args.backend, timeout=args.timeout,
-                display=args.display, output=args.output,
+                device=args.device,
+                backend=args.backend,
+                timeout=args.timeout,
+                display=args.display,
+                output=args.output,
             )
         except ValueError as exc:
             raise UsageError(f"%%ddp: {exc}") from None
@@ -79,8 +92,9 @@ class DDPMagics(Magics):
             return self._run_in_kernel(cell, plan)
         return self._run_on_workers(line, cell, plan, args)
 
-    def _run_in_kernel(self, cell: str, plan: Any) -> None:
+    def _run_in_kernel(self, cell: str, plan: LaunchPlan) -> None:
         shell = self.shell
+        assert shell is not None  # a registered magic always has its shell
 
         def run_like_a_normal_cell() -> None:
             result = shell.run_cell(cell, store_history=False)
@@ -88,14 +102,15 @@ class DDPMagics(Magics):
                 raise _CellFailed("the cell raised")
 
         try:
-            run_in_kernel(run_like_a_normal_cell, (), {}, plan)
+            launch_plan(run_like_a_normal_cell, (), {}, plan)
         except WorkerError as exc:
             if isinstance(exc.__cause__, _CellFailed):
                 raise exc.__cause__ from None
             raise
 
-    def _run_on_workers(self, line: str, cell: str, plan: Any, args: Any) -> Any:
+    def _run_on_workers(self, line: str, cell: str, plan: LaunchPlan, args: Any) -> Any:
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
+        assert self.shell is not None
         user_ns = self.shell.user_ns
         source = "\n" + cell  # line 1 is the %%ddp line: the cell's line numbers hold
         filename = f"<%%ddp cell {next(_counter)}>"
@@ -109,21 +124,24 @@ class DDPMagics(Magics):
             out_names = names.writes
         inputs = {n: user_ns[n] for n in sorted(names.reads) if n in user_ns}
         inputs = _travelling_inputs(inputs, rebound=set(names.writes))
-        outcome = launch_plan(
-            cells.run_cell, (source, filename, inputs, out_names, cells.shows_last_value(source)),
-            {}, plan,
+        outcome: CellOutcome = launch_plan(
+            run_cell,
+            (source, filename, inputs, out_names, cells.shows_last_value(source)),
+            {},
+            plan,
         )
-        user_ns.update(outcome["values"])
-        for name in outcome["deleted"]:
+        user_ns.update(outcome.values)
+        for name in outcome.deleted:
             user_ns.pop(name, None)
-        if outcome["skipped"]:
-            detail = "; ".join(f"{n} ({why})" for n, why in outcome["skipped"].items())
+        if outcome.skipped:
+            detail = "; ".join(f"{n} ({why})" for n, why in outcome.skipped.items())
             warnings.warn(
-                f"%%ddp could not bring back {', '.join(outcome['skipped'])}: they cannot be "
+                f"%%ddp could not bring back {', '.join(outcome.skipped)}: they cannot be "
                 f"pickled and exist only on the workers, which have ended. {detail}",
-                UserWarning, stacklevel=2,
+                UserWarning,
+                stacklevel=2,
             )
-        return outcome["shown"]
+        return outcome.shown
 
 
 def _travelling_inputs(inputs: dict[str, Any], rebound: set[str]) -> dict[str, Any]:
@@ -136,8 +154,9 @@ def _travelling_inputs(inputs: dict[str, Any], rebound: set[str]) -> dict[str, A
             kept[name] = value
         elif name not in rebound:
             path, reason = payload.locate_unpicklable(value, name, failure)
-            raise SerializationError(f"the %%ddp cell's input {name!r} to the workers",
-                                     path, reason)
+            raise SerializationError(
+                f"the %%ddp cell's input {name!r} to the workers", path, reason
+            )
     return kept
 
 

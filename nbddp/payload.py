@@ -14,21 +14,23 @@ from __future__ import annotations
 
 import io
 import linecache
+import os
 import pickle
 import sys
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import cloudpickle
 
 from .errors import SerializationError
+from .wire import SharedLayout
 
 PROTOCOL = 5
 _MAX_DEPTH = 40
 
 
-class _TransferPickler(cloudpickle.Pickler):
+class _TransferPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle is untyped
     """cloudpickle, plus: tensors leave their device for the CPU and DDP wrappers drop away.
 
     With a ``buffer_callback`` (``dumps_oob``), a dense tensor's bytes are not copied into the
@@ -55,19 +57,29 @@ class _TransferPickler(cloudpickle.Pickler):
 
 
 def _is_plain_dense(torch: Any, tensor: Any) -> bool:
-    return (type(tensor) in (torch.Tensor, torch.nn.Parameter)
-            and tensor.layout == torch.strided and not tensor.is_quantized
-            and tensor.device.type == "cpu" and "numpy" in sys.modules)
+    return (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and tensor.device.type == "cpu"
+        and "numpy" in sys.modules
+    )
 
 
-def _tensor_as_buffer(torch: Any, tensor: Any) -> tuple:
+def _tensor_as_buffer(torch: Any, tensor: Any) -> tuple[Any, ...]:
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return _rebuild_tensor, (pickle.PickleBuffer(data), tensor.dtype, tuple(tensor.shape),
-                             tensor.requires_grad, isinstance(tensor, torch.nn.Parameter))
+    return _rebuild_tensor, (
+        pickle.PickleBuffer(data),
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.requires_grad,
+        isinstance(tensor, torch.nn.Parameter),
+    )
 
 
-def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple, requires_grad: bool,
-                    parameter: bool) -> Any:
+def _rebuild_tensor(
+    buffer: Any, dtype: Any, shape: tuple[int, ...], requires_grad: bool, parameter: bool
+) -> Any:
     import torch
 
     raw = memoryview(buffer)
@@ -105,13 +117,20 @@ def dumps(obj: Any, *, what: str, root: str) -> bytes:
         raise SerializationError(what, path, reason) from None
 
 
-def dumps_call(fn: Any, args: tuple, kwargs: dict) -> bytes:
+class Call(NamedTuple):
+    """A launch's pickled ``(fn, args, kwargs)``, as it travels to every rank."""
+
+    stream: bytes
+    shared: SharedLayout | None = None
+
+
+def dumps_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """Pickle a launch's ``(fn, args, kwargs)``; the path of a failure starts at the piece that
     failed: ``train -> global 'lock' -> _thread.lock`` or ``kwargs['opt'] -> ...``."""
     name = getattr(fn, "__qualname__", None) or repr(fn)
     what = f"{name} to the workers"
     try:
-        return _dumps((fn, args, kwargs))
+        return Call(_dumps((fn, args, kwargs)))
     except Exception as exc:
         pieces = [(name, fn)]
         pieces += [(f"args[{i}]", value) for i, value in enumerate(args)]
@@ -154,6 +173,13 @@ def check_picklable(obj: Any) -> BaseException | None:
 
 def loads(data: bytes, buffers: list[Any] | None = None) -> Any:
     return pickle.loads(data, buffers=buffers)
+
+
+def loads_call(stream: bytes, shared: SharedLayout | None, fds: list[int]) -> Any:
+    """A rank's side of :func:`dumps_call`: the ``(fn, args, kwargs)`` to run."""
+    for fd in fds:
+        os.close(fd)
+    return pickle.loads(stream)
 
 
 def locate_unpicklable(obj: Any, root: str, error: BaseException) -> tuple[str, str]:
@@ -270,7 +296,7 @@ def _reduced_children(obj: Any) -> Iterator[tuple[str, Any]]:
                 yield label, value
 
 
-def notebook_sources() -> dict[str, tuple]:
+def notebook_sources() -> dict[str, tuple[Any, ...]]:
     """Source lines of notebook cells, which live only in the kernel's linecache.
 
     Shipped so a worker's traceback shows the cell's lines, not bare line numbers.
@@ -283,7 +309,7 @@ def notebook_sources() -> dict[str, tuple]:
     }
 
 
-def install_sources(sources: dict[str, tuple]) -> None:
+def install_sources(sources: dict[str, tuple[Any, ...]]) -> None:
     linecache.cache.update(sources)
 
 

@@ -11,15 +11,20 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
+from .environment import check_user_env
+
+DeviceOption = Literal["auto", "cuda", "cpu"]
 Device = Literal["cuda", "cpu"]
 Backend = Literal["nccl", "gloo"]
 Display = Literal["auto", "widget", "text", "none"]
 Output = Literal["rank0", "all", "none"]
 
-_DISPLAYS = ("auto", "widget", "text", "none")
-_OUTPUTS = ("rank0", "all", "none")
+DEVICE_OPTIONS: tuple[str, ...] = get_args(DeviceOption)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+DISPLAYS: tuple[str, ...] = get_args(Display)
+OUTPUTS: tuple[str, ...] = get_args(Output)
 
 
 @dataclass(frozen=True)
@@ -68,26 +73,33 @@ def make_plan(
     """Validate and resolve the launch options. ``gpu_count`` overrides detection (tests)."""
     n_gpus = visible_gpu_count() if gpu_count is None else gpu_count
 
-    if device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"device={device!r} is not one of 'auto', 'cuda', 'cpu'.")
+    if device not in DEVICE_OPTIONS:
+        raise ValueError(f"device={device!r} is not one of {_choices(DEVICE_OPTIONS)}.")
     if device == "cuda" and n_gpus == 0:
         raise ValueError(
             "device='cuda' but no GPU is visible to this kernel "
             "(torch.cuda.is_available() is False). Use device='cpu' or device='auto'."
         )
-    resolved_device: Device = ("cuda" if n_gpus else "cpu") if device == "auto" else device
+    resolved_device: Device = (
+        ("cuda" if n_gpus else "cpu")
+        if device == "auto"
+        else ("cuda" if device == "cuda" else "cpu")
+    )
 
     if gpus is not None:
         gpus = _check_gpus(gpus, resolved_device, n_gpus)
 
     workers = _resolve_workers(num_workers, resolved_device, n_gpus, gpus)
 
+    resolved_backend: Backend
     if backend is None:
-        resolved_backend: Backend = "nccl" if resolved_device == "cuda" else "gloo"
-    elif backend in ("nccl", "gloo"):
-        resolved_backend = backend  # type: ignore[assignment]
+        resolved_backend = "nccl" if resolved_device == "cuda" else "gloo"
+    elif backend in BACKENDS:
+        resolved_backend = "nccl" if backend == "nccl" else "gloo"
     else:
-        raise ValueError(f"backend={backend!r} is not one of 'nccl', 'gloo' (or None for auto).")
+        raise ValueError(
+            f"backend={backend!r} is not one of {_choices(BACKENDS)} (or None for auto)."
+        )
     if resolved_backend == "nccl" and resolved_device == "cpu":
         raise ValueError(
             "backend='nccl' needs GPUs but this run is on the CPU. "
@@ -115,10 +127,10 @@ def make_plan(
             raise ValueError(f"timeout={timeout!r} must be a number of seconds or None.")
         if not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None.")
-    if display not in _DISPLAYS:
-        raise ValueError(f"display={display!r} is not one of {', '.join(map(repr, _DISPLAYS))}.")
-    if output not in _OUTPUTS:
-        raise ValueError(f"output={output!r} is not one of {', '.join(map(repr, _OUTPUTS))}.")
+    if display not in DISPLAYS:
+        raise ValueError(f"display={display!r} is not one of {_choices(DISPLAYS)}.")
+    if output not in OUTPUTS:
+        raise ValueError(f"output={output!r} is not one of {_choices(OUTPUTS)}.")
 
     return LaunchPlan(
         world_size=workers,
@@ -130,8 +142,12 @@ def make_plan(
         output=output,  # type: ignore[arg-type]
         return_all=bool(return_all),
         block=bool(block),
-        env=_check_env(env),
+        env=_check_env(env, resolved_device),
     )
+
+
+def _choices(options: tuple[str, ...]) -> str:
+    return ", ".join(map(repr, options))
 
 
 def _resolve_workers(
@@ -173,7 +189,7 @@ def _check_gpus(gpus: Sequence[int], device: Device, n_gpus: int) -> tuple[int, 
     return tuple(gpus)
 
 
-def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
+def _check_env(env: Mapping[str, str] | None, device: Device) -> dict[str, str]:
     if env is None:
         return {}
     if not isinstance(env, Mapping):
@@ -184,4 +200,5 @@ def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
                 f"env[{key!r}]={value!r}: environment names and values must be strings "
                 "(write str(value))."
             )
+    check_user_env(env, device)
     return dict(env)

@@ -14,11 +14,30 @@ import pytest
 
 
 def is_warm_helper(proc: psutil.Process) -> bool:
-    """nbddp's pre-warmed worker helper: owned and reported, not a leftover."""
+    """nbddp's pre-warmed helper, or a child it forked ahead for the next launch: owned and
+    reported, not a leftover. A rank it forked has the same command line but leads a session
+    of its own, so a rank left behind is still caught."""
     try:
-        return "nbddp.warm" in " ".join(proc.cmdline())
-    except psutil.Error:
+        if "nbddp.worker.forkserver" not in " ".join(proc.cmdline()):
+            return False
+        parent = proc.parent()
+        if parent is None or "nbddp.worker.forkserver" not in " ".join(parent.cmdline()):
+            return True  # the helper itself
+        return os.getsid(proc.pid) == parent.pid  # waiting in the helper's session
+    except (psutil.Error, OSError):
         return False
+
+
+def blocks(*rows: tuple) -> list:
+    """Rows ``(epoch, {name: value})`` as a worker sends them: runs of rows with the same
+    epoch and keys, a list of values per key."""
+    sent: list = []
+    for epoch, values in rows:
+        if not sent or sent[-1][:2] != (epoch, tuple(values)):
+            sent.append((epoch, tuple(values), [[] for _ in values]))
+        for column, value in zip(sent[-1][2], values.values(), strict=True):
+            column.append(value)
+    return sent
 
 
 def _descendants() -> dict[int, psutil.Process]:
@@ -81,8 +100,9 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def run(self, code: str, timeout: float = 120,
-            messages: list[dict] | None = None) -> tuple[str, dict]:
+    def run(
+        self, code: str, timeout: float = 120, messages: list[dict] | None = None
+    ) -> tuple[str, dict]:
         """Execute a cell; return its output as text (streams, results, the HTML of displays
         and display updates) and the reply. ``messages`` collects every iopub message."""
         chunks: list[str] = []
@@ -101,6 +121,27 @@ class Kernel:
 
         reply = self.client.execute_interactive(code, timeout=timeout, output_hook=collect)
         return "".join(chunks), reply["content"]
+
+    def run_seeing_everything(self, code: str, timeout: float = 60) -> tuple[list[dict], dict]:
+        """Execute a cell; return every iopub message that arrived meanwhile, whichever cell
+        it belongs to (ipykernel 7 files a background thread's output, such as a background
+        run's panel updates, under the cell that started the thread), and the reply."""
+        msg_id = self.client.execute(code)
+        messages: list[dict] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            messages.append(msg)
+            if (
+                msg["parent_header"].get("msg_id") == msg_id
+                and msg["msg_type"] == "status"
+                and msg["content"]["execution_state"] == "idle"
+            ):
+                break
+        while True:
+            reply = self.client.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return messages, reply["content"]
 
     def shutdown(self) -> None:
         self.client.stop_channels()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nbddp.workers import free_port
+from nbddp.environment import free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CELL = """\
@@ -55,20 +55,40 @@ def _missing() -> str | None:
 def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     port, token = free_port(), secrets.token_hex(16)
     notebook = {
-        "cells": [{"cell_type": "code", "metadata": {}, "source": CELL, "outputs": [],
-                   "execution_count": None}],
-        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                    "language": "python"}},
-        "nbformat": 4, "nbformat_minor": 5,
+        "cells": [
+            {
+                "cell_type": "code",
+                "metadata": {},
+                "source": CELL,
+                "outputs": [],
+                "execution_count": None,
+            }
+        ],
+        "metadata": {
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
     }
     (tmp_path / "live.ipynb").write_text(json.dumps(notebook))
     log = open(tmp_path / "jupyterlab.log", "w")  # noqa: SIM115 - closed below
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-         f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={tmp_path}", "--LabApp.news_url=", "--ServerApp.port_retries=0",
-         "--allow-root"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={tmp_path}",
+            "--LabApp.news_url=",
+            "--ServerApp.port_retries=0",
+            "--allow-root",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
         env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config")},
     )
     base = f"http://127.0.0.1:{port}"
@@ -80,8 +100,10 @@ def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
                     break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("JupyterLab did not start:\n" +
-                                (tmp_path / "jupyterlab.log").read_text()[-3000:])
+                    pytest.fail(
+                        "JupyterLab did not start:\n"
+                        + (tmp_path / "jupyterlab.log").read_text()[-3000:]
+                    )
                 time.sleep(0.3)
         yield f"{base}/lab/tree/live.ipynb?token={token}", tmp_path
     finally:
@@ -103,8 +125,9 @@ def test_live_panel_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
 
     url, folder = jupyterlab
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM,
-                                             args=["--no-sandbox", "--disable-gpu"])
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto(url)
@@ -118,7 +141,8 @@ def test_live_panel_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
             deadline = time.monotonic() + 40
             while time.monotonic() < deadline and len(set(seen)) < 3:
                 values = page.eval_on_selector_all(
-                    ".nbddp-panel .nbddp-bar progress", "bars => bars.map(b => b.value)")
+                    ".nbddp-panel .nbddp-bar progress", "bars => bars.map(b => b.value)"
+                )
                 seen.append(sum(int(v) for v in values))
                 time.sleep(0.5)
             assert len(set(seen)) >= 3 and seen == sorted(seen), f"progress did not rise: {seen}"

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import nbddp
-from nbddp import LaunchTimeout, NbddpError, SerializationError, WorkerError
+from nbddp import LaunchTimeout, RunStopped, SerializationError, WorkerError
 
 TWO_CPU = {"num_workers": 2, "device": "cpu"}
 
@@ -23,10 +23,10 @@ def starter(request, monkeypatch):
     if request.param == "cold":
         monkeypatch.setenv("NBDDP_PREWARM", "0")
     else:
-        from nbddp import warm
+        from nbddp import forkserver
 
-        warm.prestart(None)
-        assert warm.wait_until_ready(60)
+        forkserver.prestart()
+        assert forkserver.wait_until_ready(60)
     return request.param
 
 
@@ -68,8 +68,11 @@ def dies_while_peer_waits(how: str) -> None:
 
 @pytest.mark.parametrize(
     ("how", "exitcode", "text"),
-    [("exit", 3, "exited with code 3"), ("sigkill", -9, "signal 9 (SIGKILL)"),
-     ("segfault", -11, "signal 11 (SIGSEGV)")],
+    [
+        ("exit", 3, "exited with code 3"),
+        ("sigkill", -9, "signal 9 (SIGKILL)"),
+        ("segfault", -11, "signal 11 (SIGSEGV)"),
+    ],
 )
 def test_a_rank_dying_without_traceback_is_reported_within_seconds(how, exitcode, text):
     started = time.monotonic()
@@ -134,8 +137,11 @@ def returns_a_lock() -> object:
 
 
 def test_a_return_value_that_cannot_travel_back_is_named():
-    with pytest.raises(SerializationError, match=r"rank 0's return value.*result -> \['lock'\] "
-                       r"-> _thread.lock"):
+    with pytest.raises(
+        SerializationError,
+        match=r"rank 0's return value.*result -> \['lock'\] "
+        r"-> _thread.lock",
+    ):
         nbddp.notebook_launch(returns_a_lock, **TWO_CPU)
 
 
@@ -155,7 +161,7 @@ def test_stop_ends_a_background_run():
     run.stop()
     assert time.monotonic() - started < 5
     assert run.status == "stopped" and run.wait(0)
-    with pytest.raises(NbddpError, match="stopped"):
+    with pytest.raises(RunStopped, match="stopped"):
         run.result()
     with pytest.raises(TimeoutError):
         nbddp.notebook_launch(sleeps, (300,), **TWO_CPU, block=False).result(timeout=0.1)

@@ -48,9 +48,10 @@ def test_nccl_on_every_gpu():
 
 def test_kernel_holding_gpu_memory_is_warned_about_once():
     held = torch.ones(1024, 1024, device="cuda:0")  # the kernel now holds a context + memory
-    with pytest.warns(ResourceWarning, match=r"GPU 0 \(.*GiB reserved") as caught:
+    with pytest.warns(nbddp.NbddpWarning, match=r"GPU 0 \(.*GiB reserved") as caught:
         nbddp.notebook_launch(where_am_i, gpus=[0, 0], backend="gloo", display="none")
     assert len(caught) == 1
+    assert issubclass(caught[0].category, UserWarning)  # shown by Python's default filters
     del held
 
 
@@ -60,12 +61,14 @@ def logs_cuda_losses() -> None:
 
 
 def test_cuda_tensors_logged_every_step_arrive_as_floats():
-    run = nbddp.notebook_launch(logs_cuda_losses, num_workers=1, device="cuda",
-                                display="none", block=False)
+    run = nbddp.notebook_launch(
+        logs_cuda_losses, num_workers=1, device="cuda", display="none", block=False
+    )
     run.wait()
     assert [row["loss"] for row in run.history] == [float(i) for i in range(300)]
-    both = nbddp.notebook_launch(logs_cuda_losses, gpus=[0, 0], backend="gloo",
-                                 display="none", block=False)
+    both = nbddp.notebook_launch(
+        logs_cuda_losses, gpus=[0, 0], backend="gloo", display="none", block=False
+    )
     both.wait()
     assert len(both.history) == 300 and both.history[-1]["loss"] == 299.0
 
@@ -78,7 +81,8 @@ def logs_a_running_total() -> None:
 
 
 def test_a_cuda_tensor_changed_in_place_after_log_keeps_the_logged_value():
-    run = nbddp.notebook_launch(logs_a_running_total, num_workers=1, device="cuda",
-                                display="none", block=False)
+    run = nbddp.notebook_launch(
+        logs_a_running_total, num_workers=1, device="cuda", display="none", block=False
+    )
     run.wait()
     assert [row["total"] for row in run.history] == [float(i) for i in range(1, 301)]

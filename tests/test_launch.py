@@ -14,8 +14,18 @@ from torch.utils.data import DataLoader, TensorDataset
 import nbddp
 
 TWO_CPU = {"num_workers": 2, "device": "cpu"}
-TORCHRUN_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "OMP_NUM_THREADS", "NBDDP_X"]
+TORCHRUN_VARS = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "GROUP_RANK",
+    "OMP_NUM_THREADS",
+    "NBDDP_X",
+]
 
 
 def gather_facts() -> dict:
@@ -24,15 +34,25 @@ def gather_facts() -> dict:
     rank = nbddp.rank()
     facts = {
         "env": {name: os.environ.get(name) for name in TORCHRUN_VARS},
-        "api": (nbddp.rank(), nbddp.local_rank(), nbddp.world_size(), nbddp.is_main(),
-                str(nbddp.device())),
-        "group": (dist.is_initialized(), dist.get_rank(), dist.get_world_size(),
-                  dist.get_backend()),
+        "api": (
+            nbddp.rank(),
+            nbddp.local_rank(),
+            nbddp.world_size(),
+            nbddp.is_main(),
+            str(nbddp.device()),
+        ),
+        "group": (
+            dist.is_initialized(),
+            dist.get_rank(),
+            dist.get_world_size(),
+            dist.get_backend(),
+        ),
         "threads": torch.get_num_threads(),
         "pid": os.getpid(),
     }
-    loader = nbddp.prepare_loader(DataLoader(TensorDataset(torch.arange(20)), batch_size=4,
-                                             shuffle=True, drop_last=False))
+    loader = nbddp.prepare_loader(
+        DataLoader(TensorDataset(torch.arange(20)), batch_size=4, shuffle=True, drop_last=False)
+    )
     facts["loader"] = (type(loader.sampler).__name__, loader.batch_size, len(loader))
     facts["epochs"] = [[int(i) for (batch,) in loader for i in batch] for _ in range(2)]
 
@@ -52,12 +72,23 @@ def gather_facts() -> dict:
     return facts
 
 
-@pytest.fixture(scope="module")
-def facts():
+@pytest.fixture(scope="module", params=["warm", "cold"])
+def facts(request):
+    """One launch that gathers what each rank sees: forked by the pre-warmed helper, and
+    started cold (``NBDDP_PREWARM=0``)."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        values = nbddp.notebook_launch(gather_facts, **TWO_CPU, return_all=True, output="all",
-                                       env={"NBDDP_X": "from-env"})
+    prewarm = os.environ.pop("NBDDP_PREWARM", None)
+    if request.param == "cold":
+        os.environ["NBDDP_PREWARM"] = "0"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            values = nbddp.notebook_launch(
+                gather_facts, **TWO_CPU, return_all=True, output="all", env={"NBDDP_X": "from-env"}
+            )
+    finally:
+        os.environ.pop("NBDDP_PREWARM", None)
+        if prewarm is not None:
+            os.environ["NBDDP_PREWARM"] = prewarm
     return values, out.getvalue()
 
 
@@ -114,8 +145,9 @@ def test_output_all_prefixes_every_rank(facts):
 
 def test_rank0_value_comes_back_with_args_kwargs_and_closures(capfd):
     offset = 100
-    value = nbddp.notebook_launch(lambda a, b=0: (nbddp.rank(), a + b + offset), (1,), {"b": 2},
-                                  **TWO_CPU)
+    value = nbddp.notebook_launch(
+        lambda a, b=0: (nbddp.rank(), a + b + offset), (1,), {"b": 2}, **TWO_CPU
+    )
     assert value == (0, 103)
     run = nbddp.last_run()
     assert run.status == "succeeded" and run.world_size == 2 and run.backend == "gloo"

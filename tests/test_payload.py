@@ -48,8 +48,11 @@ def test_closure_and_nested_attribute_paths():
     def train():
         return holder
 
-    with pytest.raises(SerializationError, match=r"closure 'holder' -> attribute 'config' -> "
-                       r"\['guard'\] -> _thread.lock"):
+    with pytest.raises(
+        SerializationError,
+        match=r"closure 'holder' -> attribute 'config' -> "
+        r"\['guard'\] -> _thread.lock",
+    ):
         dumps_call(train, (), {})
 
 
@@ -67,8 +70,8 @@ def test_lambdas_closures_and_local_classes_travel_by_value():
         def double(self, x):
             return 2 * x * scale
 
-    data = dumps_call(lambda x: Local().double(x), (7,), {})
-    fn, args, kwargs = cloudpickle.loads(data)
+    call = dumps_call(lambda x: Local().double(x), (7,), {})
+    fn, args, kwargs = cloudpickle.loads(call.stream)
     assert fn(*args, **kwargs) == 42
 
 
@@ -100,9 +103,15 @@ def test_out_of_band_tensors_round_trip_without_copying_into_the_stream():
     big = torch.arange(100_000, dtype=torch.float32)
     shared = torch.nn.Parameter(torch.ones(3, 2))
     value = {
-        "big": big, "bf16": torch.ones(4, dtype=torch.bfloat16) / 3, "ints": torch.arange(5),
-        "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5), "strided": torch.ones(4, 4).t(),
-        "param": shared, "again": shared, "flag": torch.tensor([True, False]),
+        "big": big,
+        "bf16": torch.ones(4, dtype=torch.bfloat16) / 3,
+        "ints": torch.arange(5),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(2.5),
+        "strided": torch.ones(4, 4).t(),
+        "param": shared,
+        "again": shared,
+        "flag": torch.tensor([True, False]),
     }
     stream, buffers = dumps_oob(value, what="test", root="value")
     assert len(stream) < 10_000  # the 400 kB of `big` are not in the stream

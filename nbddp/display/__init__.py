@@ -1,25 +1,32 @@
 """What the user sees of a run: one state model (``state.py``), two renderers (``widget.py``
-for notebooks, ``text.py`` elsewhere), and :class:`LiveDisplay`, which renders whenever the
-state changed, at most ``MAX_RATE`` times a second, and once more at the end.
+for notebooks, ``text.py`` elsewhere), and :class:`LiveDisplay`, which renders a snapshot of
+the state whenever it changed, at most ``MAX_RATE`` times a second, and once more at the end.
 
-Any problem with the widget path falls back to text, like tqdm's notebook bar does.
+A view that fails does not fail silently: the first error is reported once as an
+``NbddpWarning`` (with its traceback under ``NBDDP_DEBUG=1``) and the text view takes over,
+as tqdm's notebook bar falls back to text.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import traceback
+import warnings
 from collections.abc import Callable
 from typing import Protocol
 
-from .state import RunState
+from ..errors import NbddpWarning
+from .state import RunSnapshot, RunState
+from .text import TextView
 
 MAX_RATE = 10.0  # renders per second, however fast training goes
 
 
 class View(Protocol):
-    def render(self) -> None: ...
-    def finish(self) -> None: ...
+    def render(self, snapshot: RunSnapshot) -> None: ...
+    def finish(self, snapshot: RunSnapshot) -> None: ...
 
 
 def resolve_mode(mode: str) -> str:
@@ -39,23 +46,24 @@ def resolve_mode(mode: str) -> str:
 class LiveDisplay:
     """Drives one view from a background thread until :meth:`close`."""
 
-    def __init__(self, state: RunState, mode: str, stop: Callable[[], None] | None,
-                 blocking: bool) -> None:
+    def __init__(
+        self, state: RunState, mode: str, stop: Callable[[], object] | None, blocking: bool
+    ) -> None:
         self.state = state
         self.mode = resolve_mode(mode)
         self._view: View | None = None
+        self._failed: View | None = None
         if self.mode == "widget":
             try:
                 from .widget import WidgetView
 
-                self._view = WidgetView(state, stop, blocking)
+                self._view = WidgetView(state.snapshot(), stop, blocking)
             except Exception:  # no usable widget frontend: text is always possible
                 self.mode = "text"
         if self.mode == "text":
-            from .text import TextView
-
-            self._view = TextView(state)
+            self._view = TextView()
         self._closing = False
+        self._rendered = -1
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         if self._view is not None:
@@ -64,19 +72,42 @@ class LiveDisplay:
 
     def _loop(self) -> None:
         state = self.state
-        self._rendered = -1
         while True:
             with state.changed:
                 state.changed.wait_for(self._due, timeout=1.0)  # at least 1/s: elapsed time
                 if self._closing:
                     return
                 self._rendered = state.version
-            with contextlib.suppress(Exception):  # a display problem must never end the run
-                self._view.render()
+            self._render(state.snapshot())
             self._closed.wait(1.0 / MAX_RATE)  # the throttle, cut short by close()
 
     def _due(self) -> bool:
         return self.state.version != self._rendered or self._closing
+
+    def _render(self, snapshot: RunSnapshot) -> None:
+        view = self._view
+        if view is None:
+            return
+        try:
+            view.render(snapshot)
+        except Exception as exc:
+            self._fall_back(view, exc)
+
+    def _fall_back(self, view: View, exc: Exception) -> None:
+        """The first error of a view: say so once, and let the text view take over."""
+        if os.environ.get("NBDDP_DEBUG") == "1":
+            detail = "\n" + "".join(traceback.format_exception(exc))
+        else:
+            detail = " (set NBDDP_DEBUG=1 for its traceback)"
+        warnings.warn(
+            f"nbddp's live {self.mode} view failed with {type(exc).__name__}: {exc}; the "
+            f"run goes on, shown as text from now on{detail}",
+            NbddpWarning,
+            stacklevel=2,
+        )
+        self._failed = view
+        self._view = None if isinstance(view, TextView) else TextView()
+        self.mode = "text" if self._view is not None else "none"
 
     def close(self) -> None:
         """Stop the loop and draw the final state (the static summary for the widget)."""
@@ -86,6 +117,12 @@ class LiveDisplay:
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._view is not None:
+        final = self.state.snapshot()
+        if self._failed is not None:  # best effort: replace the stale panel by the summary
             with contextlib.suppress(Exception):
-                self._view.finish()
+                self._failed.finish(final)
+        if self._view is not None:
+            try:
+                self._view.finish(final)
+            except Exception as exc:  # the run's outcome matters more than its summary
+                self._fall_back(self._view, exc)

@@ -1,83 +1,59 @@
 """HTML for the panel's parts, used live by the widget and frozen into the static summary.
 
-Self-contained markup (inline styles, inline SVG charts, no scripts), so a saved notebook shows
-the result on GitHub, in nbviewer and after a kernel restart, where widget state is gone.
+Each part is a pure function of a :class:`~nbddp.display.state.RunSnapshot`. The markup is
+self-contained (inline styles, inline SVG charts, no scripts), so a saved notebook shows the
+result on GitHub, in nbviewer and after a kernel restart, where widget state is gone.
 """
 
 from __future__ import annotations
 
 import html
 import math
-from typing import Any
 
-from .state import RunState
+from .format import bar_text, format_duration, format_number
+from .state import RunSnapshot
 
-_COLORS = {"starting": "#6b7280", "running": "#2563eb", "succeeded": "#16a34a",
-           "failed": "#dc2626", "stopped": "#d97706"}
+_COLORS = {
+    "starting": "#6b7280",
+    "running": "#2563eb",
+    "succeeded": "#16a34a",
+    "failed": "#dc2626",
+    "stopped": "#d97706",
+}
 _LINE_COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#d97706", "#0891b2"]
 _FONT = "font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 12px;"
 
 
-def format_duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
-
-
-def format_number(value: float) -> str:
-    if value == 0 or math.isnan(value) or math.isinf(value):
-        return str(value)
-    magnitude = abs(value)
-    return f"{value:.4g}" if 1e-3 <= magnitude < 1e5 else f"{value:.3e}"
-
-
-def bar_text(bar: dict[str, Any]) -> str:
-    """tqdm's format: ``desc  40%  4/10 [00:02<00:03, 2.00 it/s]``."""
-    n, total, rate = bar["n"], bar["total"], bar.get("rate")
-    parts = [bar["desc"] + ":" if bar["desc"] else ""]
-    if total:
-        parts.append(f"{100 * n / total:3.0f}%")
-        parts.append(f"{n}/{total}")
-    else:
-        parts.append(f"{n}")
-    timing = format_duration(bar["elapsed"])
-    if total and rate:
-        timing += f"<{format_duration(max(0, total - n) / rate)}"
-    if rate:
-        timing += f", {rate:.2f} it/s" if rate >= 1 else f", {1 / rate:.2f} s/it"
-    parts.append(f"[{timing}]")
-    return " ".join(p for p in parts if p)
-
-
-def header_html(state: RunState) -> str:
-    color = _COLORS.get(state.status, "#6b7280")
-    label = {"succeeded": "done", "failed": "failed", "stopped": "stopped"}.get(
-        state.status, state.status)
-    where = f"{state.world_size} × {html.escape(state.device_name)} ({state.backend})"
-    line = (f'<span style="background:{color};color:white;border-radius:3px;padding:1px 6px">'
-            f"{label}</span> nbddp · {where} · {format_duration(state.elapsed)}")
-    if state.ended is not None and state.status == "succeeded":
-        line += f" · finished in {state.elapsed:.1f} s"
-    if state.error_line:
-        line += (f'<div style="color:{_COLORS["failed"]};margin-top:2px">'
-                 f"{html.escape(state.error_line)}</div>")
+def header_html(s: RunSnapshot) -> str:
+    color = _COLORS.get(s.status, "#6b7280")
+    label = {"succeeded": "done", "failed": "failed", "stopped": "stopped"}.get(s.status, s.status)
+    where = f"{s.world_size} × {html.escape(s.device_name)} ({s.backend})"
+    line = (
+        f'<span style="background:{color};color:white;border-radius:3px;padding:1px 6px">'
+        f"{label}</span> nbddp · {where} · {format_duration(s.elapsed)}"
+    )
+    if s.ended and s.status == "succeeded":
+        line += f" · finished in {s.elapsed:.1f} s"
+    if s.error_line:
+        line += (
+            f'<div style="color:{_COLORS["failed"]};margin-top:2px">'
+            f"{html.escape(s.error_line)}</div>"
+        )
     return f'<div style="{_FONT}">{line}</div>'
 
 
-def bars_html(state: RunState) -> str:
-    bars = state.snapshot_bars()
-    if not bars:
+def bars_html(s: RunSnapshot) -> str:
+    if not s.bars:
         return ""
-    failed = state.status in ("failed", "stopped")
+    failed = s.status in ("failed", "stopped")
     rows = []
-    for bar in bars:
-        color = _COLORS["failed"] if failed and not bar["closed"] else _COLORS["running"]
-        if bar["closed"] and not failed:
+    for bar in s.bars:
+        color = _COLORS["failed"] if failed and not bar.closed else _COLORS["running"]
+        if bar.closed and not failed:
             color = _COLORS["succeeded"]
-        value = bar["n"] if bar["total"] else 0
-        maximum = bar["total"] or 1
-        indent = 16 * bar["level"]
+        value = bar.n if bar.total else 0
+        maximum = bar.total or 1
+        indent = 16 * bar.level
         rows.append(
             f'<div class="nbddp-bar" style="{_FONT}margin-left:{indent}px;display:flex;'
             f'align-items:center;gap:8px">'
@@ -87,32 +63,29 @@ def bars_html(state: RunState) -> str:
     return "".join(rows)
 
 
-def metrics_html(state: RunState) -> str:
-    latest = dict(state.metrics.latest)
-    if not latest:
+def metrics_html(s: RunSnapshot) -> str:
+    if not s.latest:
         return ""
-    steps = len(state.history) and state.history.steps[-1]
     cells = "".join(
         f'<tr><td style="padding:1px 12px 1px 0">{html.escape(name)}</td>'
         f'<td style="text-align:right">{format_number(value)}</td></tr>'
-        for name, value in latest.items()
+        for name, value in s.latest.items()
     )
-    caption = (f"averaged over {state.world_size} rank{'s' if state.world_size > 1 else ''}, "
-               f"step {steps}")
-    notes = "".join(f'<div style="color:#d97706">{html.escape(n)}</div>'
-                    for n in state.metrics.notes)
-    return (f'<div style="{_FONT}color:#6b7280;white-space:nowrap">{caption}</div>'
-            f'<table class="nbddp-metrics" style="{_FONT}border-collapse:collapse">'
-            f'<tr><th style="text-align:left;padding-right:12px">metric</th>'
-            f'<th style="text-align:right">mean</th></tr>{cells}</table>{notes}')
+    caption = f"averaged over {s.world_size} rank{'s' if s.world_size > 1 else ''}, step {s.step}"
+    notes = "".join(f'<div style="color:#d97706">{html.escape(n)}</div>' for n in s.notes)
+    return (
+        f'<div style="{_FONT}color:#6b7280;white-space:nowrap">{caption}</div>'
+        f'<table class="nbddp-metrics" style="{_FONT}border-collapse:collapse">'
+        f'<tr><th style="text-align:left;padding-right:12px">metric</th>'
+        f'<th style="text-align:right">mean</th></tr>{cells}</table>{notes}'
+    )
 
 
-def chart_svg(state: RunState) -> str:
+def chart_svg(s: RunSnapshot) -> str:
     """One small line chart per metric, against step."""
-    history = state.history
     charts = [
-        _line_chart(name, history.series(name), _LINE_COLORS[index % len(_LINE_COLORS)])
-        for index, name in enumerate(list(history.columns))
+        _line_chart(name, points, _LINE_COLORS[index % len(_LINE_COLORS)])
+        for index, (name, points) in enumerate(s.series.items())
     ]
     charts = [chart for chart in charts if chart]
     if not charts:
@@ -120,8 +93,9 @@ def chart_svg(state: RunState) -> str:
     return f'<div style="display:flex;flex-wrap:wrap;gap:8px">{"".join(charts)}</div>'
 
 
-def _line_chart(name: str, points: list[tuple[float, float]], color: str,
-                width: int = 260, height: int = 110) -> str:
+def _line_chart(
+    name: str, points: list[tuple[float, float]], color: str, width: int = 260, height: int = 110
+) -> str:
     points = [(x, y) for x, y in points if math.isfinite(y)]
     if len(points) < 2:
         return ""
@@ -152,22 +126,24 @@ def _line_chart(name: str, points: list[tuple[float, float]], color: str,
     )
 
 
-def output_html(state: RunState) -> str:
-    lines = list(state.output)
-    if not lines:
+def output_html(s: RunSnapshot) -> str:
+    if not s.output:
         return ""
-    dropped = (f'<div style="color:#6b7280">… {state.output_dropped} earlier lines not shown'
-               "</div>" if state.output_dropped else "")
-    text = html.escape("".join(lines))
-    return (f'<details open><summary style="{_FONT}color:#6b7280">rank 0 output</summary>'
-            f'{dropped}<pre class="nbddp-output" style="{_FONT}max-height:240px;overflow:auto;'
-            f'margin:2px 0">{text}</pre></details>')
+    dropped = (
+        f'<div style="color:#6b7280">… {s.output_dropped} earlier lines not shown</div>'
+        if s.output_dropped
+        else ""
+    )
+    return (
+        f'<details open><summary style="{_FONT}color:#6b7280">rank 0 output</summary>'
+        f'{dropped}<pre class="nbddp-output" style="{_FONT}max-height:240px;overflow:auto;'
+        f'margin:2px 0">{html.escape(s.output)}</pre></details>'
+    )
 
 
-def summary_html(state: RunState) -> str:
+def summary_html(s: RunSnapshot) -> str:
     """The whole panel as static HTML: what a saved notebook keeps."""
-    parts = [header_html(state), bars_html(state), metrics_html(state), chart_svg(state),
-             output_html(state)]
+    parts = [header_html(s), bars_html(s), metrics_html(s), chart_svg(s), output_html(s)]
     body = "".join(f"<div style='margin:4px 0'>{p}</div>" for p in parts if p)
     style = "border-left:3px solid #e5e7eb;padding-left:8px"
     return f'<div class="nbddp-summary" style="{style}">{body}</div>'

@@ -1,295 +1,172 @@
 """The one model of a run that every view renders: status, bars, metrics, output, outcome.
 
-Written by the supervisor (messages from the workers, output) or by the in-kernel fallback;
-read by the views. Every change bumps ``version`` and notifies ``changed``, so a view renders
-only when something changed, at the rate it chooses.
+Written by the backend through the :class:`~nbddp.backend.RunEvents` methods (messages from
+the ranks, their output) and read by the views only as a :class:`RunSnapshot`: a frozen copy
+taken under the lock (tqdm's ``format_dict`` idea), so a view never sees a half-made change
+and renders with pure functions. Every change bumps ``version`` and notifies ``changed``, so a
+view renders only when something changed, at the rate it chooses.
 """
 
 from __future__ import annotations
 
-import collections
-import math
 import threading
 import time
-from array import array
-from typing import Any
+from typing import Any, NamedTuple
 
-MAX_HISTORY_ROWS = 1_000_000
+from ..backend import Status
+from ..pump import LineWindow
+from ..wire import BarSnapshot, Block
+from .metrics import History, MetricsAggregator
+
 OUTPUT_LINES = 200
-
-# Logged rows as the workers send them: a block is consecutive rows of one rank with the same
-# epoch and keys, one list of values per key.
-Block = tuple[int | None, tuple[str, ...], list[list[float]]]
+CHART_POINTS = 300
 
 
-class History:
-    """The averaged metric rows, column by column (8 bytes a value).
+class ShownBar(NamedTuple):
+    """A progress bar as shown: the rank's snapshot plus the smoothed rate."""
 
-    Memory policy: every row is kept until there are ``max_rows``; then every other row is
-    dropped and from then on only every 2nd (then 4th, ...) row is kept, so a run of any length
-    holds at most ``max_rows`` rows, evenly spread over the whole run.
-    """
-
-    def __init__(self, max_rows: int = MAX_HISTORY_ROWS) -> None:
-        self.max_rows = max_rows
-        self.stride = 1
-        self.steps = array("q")
-        self.epochs = array("q")  # -1: unknown
-        self.columns: dict[str, array] = {}
-        self._cache: list[dict[str, Any]] | None = None
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def extend(self, first: int, epoch: int | None, values: dict[str, list[float]]) -> None:
-        """Rows ``first``, ``first + 1``, ... of one epoch: a list of values per metric."""
-        count = len(next(iter(values.values())))
-        stride = self.stride
-        skip = -first % stride  # the first row on the stride's grid
-        if skip >= count:
-            return
-        kept = len(range(skip, count, stride))
-        before = len(self.steps)
-        self.steps.extend(range(first + skip, first + count, stride))
-        self.epochs.extend(array("q", [-1 if epoch is None else epoch]) * kept)
-        columns = self.columns
-        for name, column in columns.items():
-            if name not in values:
-                column.extend(_nans(kept))
-        for name, new in values.items():
-            column = columns.get(name)
-            if column is None:
-                column = columns[name] = _nans(before)
-            column.extend(new[skip::stride] if stride > 1 else new)
-        self._cache = None
-        while len(self.steps) >= self.max_rows:
-            self._halve()
-
-    def _halve(self) -> None:
-        self.stride *= 2
-        keep = [i for i, step in enumerate(self.steps) if step % self.stride == 0]
-        self.steps = array("q", (self.steps[i] for i in keep))
-        self.epochs = array("q", (self.epochs[i] for i in keep))
-        for name, column in self.columns.items():
-            self.columns[name] = array("d", (column[i] for i in keep))
-
-    def rows(self) -> list[dict[str, Any]]:
-        """As ``run.history`` shows them: one dict a row, ``step``, ``epoch`` if known."""
-        if self._cache is None:
-            rows = []
-            for i, step in enumerate(self.steps):
-                row: dict[str, Any] = {"step": step}
-                if self.epochs[i] >= 0:
-                    row["epoch"] = self.epochs[i]
-                for name, column in self.columns.items():
-                    if not math.isnan(column[i]):
-                        row[name] = column[i]
-                rows.append(row)
-            self._cache = rows
-        return self._cache
-
-    def series(self, name: str, points: int = 300, window: int = 8) -> list[tuple[float, float]]:
-        """At most ``points`` (step, value) pairs of one metric for a chart: evenly spaced
-        samples, each the mean of up to ``window`` rows. O(points), however long the run."""
-        column, steps = self.columns[name], self.steps
-        n = len(steps)
-        if n <= points:
-            indices = range(n)
-            window = 1
-        else:
-            indices = [int(i * (n - 1) / (points - 1)) for i in range(points)]
-            window = min(window, max(1, n // points))
-        out = []
-        for i in indices:
-            values = [v for v in column[max(0, i - window + 1):i + 1] if not math.isnan(v)]
-            if values:
-                out.append((float(steps[i]), sum(values) / len(values)))
-        return out
+    id: int
+    level: int
+    desc: str | None
+    n: int
+    total: int | None
+    elapsed: float
+    closed: bool
+    rate: float | None
 
 
-def _nans(count: int) -> array:
-    return array("d", [math.nan]) * count
+class RunSnapshot(NamedTuple):
+    """Everything a view shows, at one moment; renderers are pure functions of it."""
 
-
-class _Span:
-    """Consecutive rows of one rank with the same keys and epoch, a column per key."""
-
-    __slots__ = ("columns", "end", "epoch", "index", "start")
-
-    def __init__(self, start: int, block: Block) -> None:
-        self.epoch, keys, self.columns = block
-        self.index = {key: i for i, key in enumerate(keys)}
-        self.start = start
-        self.end = start + len(self.columns[0])
-
-    def column(self, key: str, start: int, end: int) -> list[float]:
-        return self.columns[self.index[key]][start - self.start:end - self.start]
-
-
-class MetricsAggregator:
-    """Averages row k across ranks once every rank delivered its k-th row.
-
-    Rows arrive in blocks (a list of values per metric) and are averaged a column at a time,
-    so the kernel's cost per logged step stays far below a microsecond.
-
-    Rule for ranks that log different keys in the same row: each key is averaged over the
-    ranks that logged it, and one note says which ranks differed (no silent mix-up).
-    Rows still incomplete when the run ends are averaged over the ranks that logged them.
-    """
-
-    def __init__(self, world_size: int, history: History) -> None:
-        self.world_size = world_size
-        self.history = history
-        self.latest: dict[str, float] = {}
-        self.notes: list[str] = []
-        self._spans: list[collections.deque[_Span]] = [
-            collections.deque() for _ in range(world_size)
-        ]
-        self._delivered = [0] * world_size  # rows each rank has sent, in order
-        self._next = 0  # the first row not averaged yet
-
-    def add(self, rank: int, first: int, blocks: list[Block]) -> None:
-        """Rank ``rank``'s rows ``first``, ``first + 1``, ... (each rank's rows come in order)."""
-        spans = self._spans[rank]
-        for block in blocks:
-            span = _Span(first, block)
-            spans.append(span)
-            first = span.end
-        self._delivered[rank] = first
-        self._average_until(min(self._delivered))
-
-    def finish(self) -> None:
-        self._average_until(max(self._delivered))
-
-    def _average_until(self, end: int) -> None:
-        while self._next < end:
-            start = self._next
-            covering: list[tuple[int, _Span]] = []
-            stop = end
-            for rank, spans in enumerate(self._spans):
-                while spans and spans[0].end <= start:
-                    spans.popleft()
-                if spans and spans[0].start <= start:
-                    covering.append((rank, spans[0]))
-                    stop = min(stop, spans[0].end)
-            self._average(start, stop, covering)
-            self._next = stop
-
-    def _average(self, start: int, end: int, covering: list[tuple[int, _Span]]) -> None:
-        names = dict.fromkeys(key for _, span in covering for key in span.index)
-        averaged: dict[str, list[float]] = {}
-        partial = []
-        for name in names:
-            columns = [span.column(name, start, end) for _, span in covering
-                       if name in span.index]
-            if len(columns) < len(covering):
-                partial.append(name)
-            averaged[name] = _mean(columns)
-        if partial and not self.notes:
-            self.notes.append(
-                f"row {start}: not every rank logged {', '.join(partial)}; each metric is "
-                "averaged over the ranks that logged it."
-            )
-        self.history.extend(start, covering[0][1].epoch, averaged)  # rank 0's epoch first
-        self.latest.update({name: values[-1] for name, values in averaged.items()})
-
-
-def _mean(columns: list[list[float]]) -> list[float]:
-    if len(columns) == 1:
-        return columns[0]
-    n = len(columns)
-    return [sum(values) / n for values in zip(*columns, strict=True)]
+    status: Status
+    elapsed: float
+    ended: bool
+    error_line: str
+    world_size: int
+    device: str
+    backend: str
+    device_name: str
+    bars: tuple[ShownBar, ...]  # outermost first
+    latest: dict[str, float]  # the last averaged value of each metric
+    notes: tuple[str, ...]
+    step: int  # the last averaged row
+    series: dict[str, list[tuple[float, float]]]  # a chart's points per metric
+    output: str  # the last lines of rank 0's output
+    output_dropped: int
 
 
 class RunState:
-    """Everything a view shows about one run."""
+    """Everything a view shows about one run; thread-safe."""
 
     def __init__(self, world_size: int, device: str, backend: str, device_name: str) -> None:
         self.world_size = world_size
-        self.device = device
-        self.backend = backend
+        self._device = device
+        self._backend = backend
         self.device_name = device_name
-        self.status = "starting"
-        self.started = time.monotonic()
+        self.status: Status = "starting"
+        self.started_at = time.monotonic()
         self.ended: float | None = None
         self.error_line = ""
-        self.bars: dict[int, dict[str, Any]] = {}
+        self._bars: dict[int, ShownBar] = {}
         self.history = History()
         self.metrics = MetricsAggregator(world_size, self.history)
-        self.output: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES)
-        self.output_dropped = 0
+        self._output = LineWindow(OUTPUT_LINES)
+        self.panel_output = False  # the live widget shows the ranks' output
         self.version = 0
         self.changed = threading.Condition()
 
     @property
     def elapsed(self) -> float:
-        return (self.ended or time.monotonic()) - self.started
+        return (self.ended or time.monotonic()) - self.started_at
 
     def _bump(self) -> None:
-        with self.changed:
-            self.version += 1
-            self.changed.notify_all()
+        """Call with ``changed`` held."""
+        self.version += 1
+        self.changed.notify_all()
 
-    def set_running(self) -> None:
-        if self.status == "starting":
-            self.status = "running"
+    # -- RunEvents: what the backend reports -----------------------------------------------
+
+    @property
+    def output(self) -> _PanelStream | None:
+        """The panel's output area as a stream, when the panel shows output."""
+        return _PanelStream(self) if self.panel_output else None
+
+    def started(self) -> None:
+        with self.changed:
+            if self.status == "starting":
+                self.status = "running"
+                self._bump()
+
+    def device(self, name: str) -> None:
+        with self.changed:
+            self.device_name = name
             self._bump()
 
-    def add_rows(self, rank: int, first: int, blocks: list[Block]) -> None:
+    def rows(self, rank: int, first: int, blocks: list[Block]) -> None:
         with self.changed:
             self.metrics.add(rank, first, blocks)
-        self.set_running()
-        self._bump()
+            self._bump()
 
-    def set_bars(self, snapshot: list[dict[str, Any]]) -> None:
-        now = time.monotonic()
+    def bars(self, bars: list[BarSnapshot]) -> None:
         with self.changed:
-            for bar in snapshot:
-                previous = self.bars.get(bar["id"])
-                if previous is None and bar["level"] == 0:  # a new outer loop: finished
-                    self.bars = {i: b for i, b in self.bars.items() if not b["closed"]}
-                bar["rate"] = _rate(previous, bar)
-                bar["seen"] = now
-                if bar["closed"] and bar["level"] > 0:  # like tqdm: finished inner bars go,
-                    self.bars.pop(bar["id"], None)       # the outermost one stays
+            now_shown = self._bars
+            for bar in bars:
+                previous = now_shown.get(bar.id)
+                if previous is None and bar.level == 0:  # a new outer loop: finished ones go
+                    now_shown = {i: b for i, b in now_shown.items() if not b.closed}
+                shown = ShownBar(*bar, rate=_rate(previous, bar))
+                if bar.closed and bar.level > 0:  # like tqdm: finished inner bars go,
+                    now_shown.pop(bar.id, None)  # the outermost one stays
                 else:
-                    self.bars[bar["id"]] = bar
-        self.set_running()
-        self._bump()
+                    now_shown[bar.id] = shown
+            self._bars = now_shown
+            self._bump()
 
     def add_output(self, text: str) -> None:
         with self.changed:
-            pieces = text.splitlines(keepends=True)
-            if self.output and pieces and not self.output[-1].endswith("\n"):
-                self.output[-1] += pieces.pop(0)
-            for piece in pieces:
-                if "\r" in piece:  # a carriage-return animation: keep its last frame
-                    end = "\n" if piece.endswith("\n") else ""
-                    piece = piece.rstrip("\n").rsplit("\r", 1)[-1] + end
-                if len(self.output) == self.output.maxlen:
-                    self.output_dropped += 1
-                self.output.append(piece)
-        self._bump()
+            self._output.feed(text)
+            self._bump()
 
-    def as_stream(self) -> _PanelStream:
-        """A file-like object whose writes land in the panel's output area."""
-        return _PanelStream(self)
-
-    def finish(self, status: str, error: BaseException | None) -> None:
+    def finish(self, status: Status, error: BaseException | None) -> None:
         with self.changed:
             self.metrics.finish()
             self.status = status
             self.ended = time.monotonic()
             if error is not None:
                 self.error_line = first_line(error)
-        self._bump()
+            self._bump()
 
-    def snapshot_bars(self) -> list[dict[str, Any]]:
+    # -- what views read -------------------------------------------------------------------
+
+    def snapshot(self) -> RunSnapshot:
         with self.changed:
-            return sorted(self.bars.values(), key=lambda b: (b["level"], b["id"]))
+            history = self.history
+            return RunSnapshot(
+                status=self.status,
+                elapsed=self.elapsed,
+                ended=self.ended is not None,
+                error_line=self.error_line,
+                world_size=self.world_size,
+                device=self._device,
+                backend=self._backend,
+                device_name=self.device_name,
+                bars=tuple(sorted(self._bars.values(), key=lambda b: (b.level, b.id))),
+                latest=dict(self.metrics.latest),
+                notes=tuple(self.metrics.notes),
+                step=history.steps[-1] if len(history) else 0,
+                series={name: history.series(name, CHART_POINTS) for name in history.columns},
+                output=self._output.text(),
+                output_dropped=self._output.dropped,
+            )
+
+    def history_rows(self) -> list[dict[str, Any]]:
+        with self.changed:
+            return list(self.history.rows())
 
 
 class _PanelStream:
+    """A file-like object whose writes land in the panel's output area."""
+
     def __init__(self, state: RunState) -> None:
         self._state = state
 
@@ -304,20 +181,23 @@ class _PanelStream:
         return False
 
 
-def _rate(previous: dict[str, Any] | None, bar: dict[str, Any]) -> float | None:
-    """Items per second, smoothed like tqdm's (exponential moving average)."""
-    if bar["elapsed"] <= 0:
+def _rate(previous: ShownBar | None, bar: BarSnapshot) -> float | None:
+    """Items per second, smoothed like tqdm's (exponential moving average, 0.3)."""
+    if bar.elapsed <= 0:
         return None
-    overall = bar["n"] / bar["elapsed"]
-    if previous is None or previous.get("rate") is None:
+    overall = bar.n / bar.elapsed
+    if previous is None or previous.rate is None:
         return overall
-    dt = bar["elapsed"] - previous["elapsed"]
+    dt = bar.elapsed - previous.elapsed
     if dt <= 0:
-        return previous["rate"]
-    recent = (bar["n"] - previous["n"]) / dt
-    return 0.3 * recent + 0.7 * previous["rate"]
+        return previous.rate
+    recent = (bar.n - previous.n) / dt
+    return 0.3 * recent + 0.7 * previous.rate
 
 
 def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
+    try:
+        text = str(error).strip().splitlines()
+    except Exception:
+        text = []
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

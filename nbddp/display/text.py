@@ -11,15 +11,14 @@ import sys
 import time
 from typing import TextIO
 
-from .html import bar_text, format_number
-from .state import RunState
+from .format import bar_text, format_number
+from .state import RunSnapshot
 
 EVERY = 5.0
 
 
 class TextView:
-    def __init__(self, state: RunState, stream: TextIO | None = None) -> None:
-        self._state = state
+    def __init__(self, stream: TextIO | None = None) -> None:
         self._stream = stream or sys.stdout
         try:
             self._tty = self._stream.isatty()
@@ -28,11 +27,11 @@ class TextView:
         self._last_line = 0.0
         self._drawn = False
 
-    def render(self) -> None:
+    def render(self, s: RunSnapshot) -> None:
         now = time.monotonic()
         if not self._tty and now - self._last_line < EVERY:
             return
-        line = self._line()
+        line = status_line(s)
         if not line:
             return
         self._last_line = now
@@ -43,27 +42,8 @@ class TextView:
         else:
             self._write(line + "\n")
 
-    def finish(self) -> None:
-        state = self._state
-        summary = f"nbddp: {state.status} after {state.elapsed:.1f} s " \
-                  f"({state.world_size} × {state.device_name}, {state.backend})"
-        metrics = _metrics(state)
-        if metrics:
-            summary += f" | {metrics}"
-        if state.error_line:
-            summary += f"\n  {state.error_line}"
-        for note in state.metrics.notes:
-            summary += f"\n  note: {note}"
-        self._write(("\r" if self._drawn else "") + summary + "\n")
-
-    def _line(self) -> str:
-        state = self._state
-        parts = [f"[nbddp {state.status}]"]
-        parts += [bar_text(bar) for bar in state.snapshot_bars()]
-        metrics = _metrics(state)
-        if metrics:
-            parts.append(metrics)
-        return " | ".join(parts) if len(parts) > 1 else ""
+    def finish(self, s: RunSnapshot) -> None:
+        self._write(("\r" if self._drawn else "") + summary_text(s) + "\n")
 
     def _write(self, text: str) -> None:
         try:
@@ -73,5 +53,27 @@ class TextView:
             pass
 
 
-def _metrics(state: RunState) -> str:
-    return " ".join(f"{k}={format_number(v)}" for k, v in dict(state.metrics.latest).items())
+def status_line(s: RunSnapshot) -> str:
+    parts = [f"[nbddp {s.status}]", *(bar_text(bar) for bar in s.bars)]
+    metrics = _metrics(s)
+    if metrics:
+        parts.append(metrics)
+    return " | ".join(parts) if len(parts) > 1 else ""
+
+
+def summary_text(s: RunSnapshot) -> str:
+    summary = (
+        f"nbddp: {s.status} after {s.elapsed:.1f} s ({s.world_size} × {s.device_name}, {s.backend})"
+    )
+    metrics = _metrics(s)
+    if metrics:
+        summary += f" | {metrics}"
+    if s.error_line:
+        summary += f"\n  {s.error_line}"
+    for note in s.notes:
+        summary += f"\n  note: {note}"
+    return summary
+
+
+def _metrics(s: RunSnapshot) -> str:
+    return " ".join(f"{k}={format_number(v)}" for k, v in s.latest.items())

@@ -9,68 +9,75 @@ those whose markup changed are sent.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from .html import bars_html, chart_svg, header_html, metrics_html, output_html, summary_html
-from .state import RunState
+from .state import RunSnapshot
 
 _PARTS = (header_html, bars_html, metrics_html, chart_svg, output_html)
 
 
 class WidgetView:
-    def __init__(self, state: RunState, stop: Callable[[], None] | None, blocking: bool) -> None:
+    def __init__(
+        self, first: RunSnapshot, stop: Callable[[], object] | None, blocking: bool
+    ) -> None:
         import ipywidgets as widgets
         from IPython.display import display
 
-        self._state = state
         self._html = [widgets.HTML() for _ in _PARTS]
         self._button = widgets.Button(
-            description="Stop", icon="stop", button_style="danger",
+            description="Stop",
+            icon="stop",
+            button_style="danger",
             layout=widgets.Layout(width="auto"),
-            tooltip=("This cell is busy until the run ends: use the kernel's interrupt button "
-                     "(■) to stop it." if blocking else "Terminate every worker of this run"),
+            tooltip=(
+                "This cell is busy until the run ends: use the kernel's interrupt button "
+                "(■) to stop it."
+                if blocking
+                else "Terminate every worker of this run"
+            ),
             disabled=blocking,
         )
         if stop is not None:
             self._button.on_click(lambda _button: stop())
         header, bars, metrics, chart, output = self._html
-        self._box = widgets.VBox([
-            widgets.HBox([header, self._button], layout=widgets.Layout(align_items="center",
-                                                                         gap="12px")),
-            bars, widgets.HBox([metrics, chart], layout=widgets.Layout(gap="16px")), output,
-        ])
+        self._box = widgets.VBox(
+            [
+                widgets.HBox(
+                    [header, self._button], layout=widgets.Layout(align_items="center", gap="12px")
+                ),
+                bars,
+                widgets.HBox([metrics, chart], layout=widgets.Layout(gap="16px")),
+                output,
+            ]
+        )
         self._box.add_class("nbddp-panel")
-        self.render()
-        self._handle = display(self._bundle(), raw=True, display_id=True)
-
-    def _bundle(self) -> dict[str, Any]:
+        self.render(first)
         bundle = self._box._repr_mimebundle_()
-        bundle["text/plain"] = f"nbddp run ({self._state.status})"
-        return bundle
+        bundle["text/plain"] = f"nbddp run ({first.status})"
+        self._handle = display(bundle, raw=True, display_id=True)  # type: ignore[no-untyped-call]
 
-    def render(self) -> None:
+    def render(self, s: RunSnapshot) -> None:
         for widget, part in zip(self._html, _PARTS, strict=True):
-            markup = part(self._state)
+            markup = part(s)
             if widget.value != markup:
                 widget.value = markup
-        if self._state.ended is not None:
+        if s.ended:
             self._button.disabled = True
 
-    def finish(self) -> None:
-        self.render()
-        self._handle.update(
-            {"text/html": summary_html(self._state), "text/plain": _plain(self._state)},
-            raw=True,
-        )
-        self._close()
+    def finish(self, s: RunSnapshot) -> None:
+        try:
+            self.render(s)
+        finally:
+            self._handle.update({"text/html": summary_html(s), "text/plain": _plain(s)}, raw=True)
+            self._close()
 
     def _close(self) -> None:
         for widget in [*self._html, self._button, *self._box.children, self._box]:
             widget.close()
 
 
-def _plain(state: RunState) -> str:
-    line = f"nbddp run {state.status} in {state.elapsed:.1f} s"
-    if state.error_line:
-        line += f": {state.error_line}"
+def _plain(s: RunSnapshot) -> str:
+    line = f"nbddp run {s.status} in {s.elapsed:.1f} s"
+    if s.error_line:
+        line += f": {s.error_line}"
     return line

@@ -1,73 +1,95 @@
-"""What each worker process runs: connect, load the job, join the process group, call fn, report.
+"""What each rank runs: connect, receive the job, join the process group, call fn, report.
 
-The generated ``__main__`` script only calls :func:`main`. Everything a rank needs arrives in
-its environment (the torchrun variables) and in the run's private directory (``spec.json`` with
-the channel address and key, ``job.pkl`` with the pickled function and arguments).
+The generated ``__main__`` script only calls :func:`main`. A rank reads the job spec from the
+run's private directory (``spec.json``: the channel's address and key), its rank and the
+rendezvous from the torchrun environment, and the job itself (the pickled call) from the
+kernel over the channel, after the handshake.
 
-A worker never outlives the kernel: a daemon thread blocks on the channel, and when the kernel
-end closes (kernel exit, restart, SIGKILL) the worker kills its own process group at once.
+A rank never outlives the kernel: a daemon thread blocks on the channel, and when the kernel
+end closes (kernel exit, restart, SIGKILL) the rank kills its own process group at once. It is
+the reaper of its descendants' orphans and ends all of them before it exits, so nothing it
+started survives it, whatever session they moved to.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import signal
 import sys
 import threading
-import time
-from multiprocessing.connection import Connection
 from typing import Any
 
-from .. import channel, payload
+from .. import payload, transport
+from ..errors import SerializationError
+from ..processes import become_subreaper, end_descendants
+from ..rundir import SPEC
+from ..transport import Connection
+from ..wire import (
+    Bars,
+    BarSnapshot,
+    Block,
+    DeviceName,
+    Done,
+    Failed,
+    Hello,
+    Job,
+    JobSpec,
+    Result,
+    Rows,
+    Unsendable,
+)
 from . import live
 from .report import error_report
 
-_EXIT_GRACE = 10.0  # seconds a finished worker may spend in interpreter shutdown
 
-
-def main(job_dir: str) -> int:
-    with open(os.path.join(job_dir, "spec.json")) as f:
-        spec = json.load(f)
+def main(directory: str) -> int:
+    become_subreaper()
+    with open(os.path.join(directory, SPEC), "rb") as f:
+        spec = JobSpec.from_json(f.read())
     rank = int(os.environ["RANK"])
-    conn = channel.connect(spec["address"], bytes.fromhex(spec["authkey"]), rank)
-    reporter = _Reporter(conn, rank)
-    threading.Thread(target=_die_with_kernel, args=(conn, reporter), daemon=True).start()
+    conn = transport.connect(spec.address, bytes.fromhex(spec.authkey))
+    conn.send(Hello(rank))
+    frame = conn.recv()
+    if not isinstance(frame.message, Job):
+        return 1
+    done = threading.Event()
+    threading.Thread(target=_listen, args=(conn, done), daemon=True).start()
     _adopt_kernel_paths(spec)
-    code = _run(job_dir, spec, rank, reporter)
-    reporter.finishing = True
-    _exit_within(_EXIT_GRACE, code)
-    return code
+    code = _run(spec, frame.message, frame.fds, rank, conn)
+    if code == 0:
+        done.wait()  # until every rank reported: rank 0's store may still be needed
+    end_descendants()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)  # no interpreter shutdown: a user thread or child cannot hold the run
 
 
-class _Reporter:
-    """Sends to the kernel from any thread of the worker."""
+class _ChannelSink:
+    """``nbddp.log`` rows and progress bars, to the kernel."""
 
     def __init__(self, conn: Connection, rank: int) -> None:
-        self.conn = conn
-        self.rank = rank
-        self.finishing = False
-        self._lock = threading.Lock()
+        self._conn = conn
+        self._rank = rank
 
-    def send(self, *message: Any) -> None:
-        with self._lock:
-            self.conn.send(message)
+    def rows(self, first: int, blocks: list[Block]) -> None:
+        self._conn.send(Rows(self._rank, first, blocks))
 
-    def send_result(self, stream: bytes | None, buffers: list[memoryview]) -> None:
-        """The value's pickle stream, then each tensor buffer straight from its memory."""
-        with self._lock:
-            self.conn.send(("result", self.rank, stream, [b.nbytes for b in buffers]))
-            for buffer in buffers:
-                self.conn.send_bytes(buffer)
+    def bars(self, bars: list[BarSnapshot]) -> None:
+        self._conn.send(Bars(self._rank, bars))
 
 
-def _die_with_kernel(conn: Connection, reporter: _Reporter) -> None:
+def _listen(conn: Connection, done: threading.Event) -> None:
+    """The kernel's word after the job: ``Done``; its end closing means it is gone, and so
+    is this rank, at once, with its whole process group."""
     try:
         while True:
-            conn.recv()  # the kernel never writes: this returns only when it is gone
+            if isinstance(conn.recv().message, Done):
+                done.set()
     except (EOFError, OSError):
         pass
-    if not reporter.finishing:
+    if not done.is_set():  # after Done the rank is on its way out by itself
         _kill_own_group()
 
 
@@ -77,84 +99,75 @@ def _kill_own_group() -> None:
     os._exit(1)
 
 
-def _exit_within(seconds: float, code: int) -> None:
-    """A user thread that never ends must not keep a finished worker (and the run) alive."""
-
-    def force() -> None:
-        time.sleep(seconds)
-        os._exit(code)
-
-    threading.Thread(target=force, daemon=True).start()
-
-
-def _adopt_kernel_paths(spec: dict[str, Any]) -> None:
+def _adopt_kernel_paths(spec: JobSpec) -> None:
     """Import what the notebook can import: its sys.path entries, its working directory."""
-    for entry in reversed(spec["sys_path"]):
+    for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(1, entry)
-    os.chdir(spec["cwd"])
+    os.chdir(spec.cwd)
 
 
-def _run(job_dir: str, spec: dict[str, Any], rank: int, reporter: _Reporter) -> int:
+def _run(spec: JobSpec, job: Job, fds: list[int], rank: int, conn: Connection) -> int:
     import torch
     import torch.distributed as dist
 
     from .context import Context, installed
 
+    early_exit = False
     try:
-        with open(os.path.join(job_dir, "job.pkl"), "rb") as f:
-            job = payload.loads(f.read())
-        payload.install_sources(job["sources"])
-        fn, args, kwargs = payload.loads(job["call"])
-
-        if spec["device"] == "cuda":
-            device = torch.device("cuda", spec["device_index"][rank])
+        payload.install_sources(job.sources)
+        if spec.device == "cuda":
+            device = torch.device("cuda", spec.device_index[rank])
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
         if rank == 0:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-            reporter.send("device", rank, name)
-        dist.init_process_group(
-            backend=spec["backend"], init_method="env://",
-            rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
-        )
+            conn.send(DeviceName(rank, name))
+        world_size = int(os.environ["WORLD_SIZE"])
         context = Context(
-            rank=rank, local_rank=int(os.environ["LOCAL_RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]), device=device,
+            rank=rank,
+            local_rank=int(os.environ["LOCAL_RANK"]),
+            world_size=world_size,
+            device=device,
         )
-        buffer = live.LiveBuffer(lambda kind, data: reporter.send(kind, rank, data))
-        live.install(buffer)
         with installed(context):
+            fn, args, kwargs = payload.loads_call(job.call, job.shared, fds)
+            del job  # the pickled call is not kept while fn runs
+            dist.init_process_group(
+                backend=spec.backend, init_method="env://", rank=rank, world_size=world_size
+            )
+            buffer = live.LiveBuffer(_ChannelSink(conn, rank))
+            live.install(buffer)
             try:
                 value = fn(*args, **kwargs)
             finally:
                 buffer.close()  # every logged row reaches the kernel before the outcome
     except SystemExit as exc:
-        if exc.code in (None, 0):
-            value = None
-        else:
-            _report_error(reporter, exc)
+        if exc.code not in (None, 0):
+            conn.send(Failed(rank, error_report(exc)))
             return 1
+        value, early_exit = None, True
     except BaseException as exc:
-        _report_error(reporter, exc)
+        conn.send(Failed(rank, error_report(exc)))
         return 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+    return _send_result(spec, rank, conn, value, early_exit)
 
+
+def _send_result(spec: JobSpec, rank: int, conn: Connection, value: Any, early: bool) -> int:
+    """The rank's value (when wanted), then the end. The process group is not destroyed: the
+    rank exits right after (``os._exit``) and the OS closes its connections, while gloo's
+    ``destroy_process_group`` alone costs ~20 ms of every launch."""
     try:
-        wanted = rank == 0 or spec["return_all"]
-        stream, buffers = (payload.dumps_oob(value, what="the result", root="result")
-                           if wanted else (None, []))
-    except payload.SerializationError as exc:
-        reporter.send("unsendable", rank, exc.path, exc.reason)
+        wanted = rank == 0 or spec.return_all
+        stream, buffers = (
+            payload.dumps_oob(value, what="the result", root="result") if wanted else (None, [])
+        )
+    except SerializationError as exc:
+        conn.send(Unsendable(rank, exc.path, exc.reason))
         return 1
-    reporter.send_result(stream, buffers)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    conn.send(Result(rank, stream, early), buffers)
     return 0
-
-
-def _report_error(reporter: _Reporter, exc: BaseException) -> None:
-    reporter.send("error", reporter.rank, error_report(exc))

@@ -4,9 +4,13 @@ The training thread only appends to a buffer: a logged CUDA tensor is copied on 
 queued copy, so a running sum changed in place later keeps the logged value), never read, so
 no call waits for the GPU. A flusher thread wakes every ``FLUSH_INTERVAL`` seconds, turns the
 pending tensors into floats with one device-to-host copy per device, and hands the rows and a
-snapshot of rank 0's progress bars to a sink: the channel in a worker, the run's state in the
-kernel fallback. Outside any launch there is no sink and both functions do nothing but pass
-values through.
+snapshot of rank 0's progress bars to a :class:`LiveSink`: the channel in a rank, the run's
+state when the kernel runs the one rank itself. Outside any launch there is no sink and both
+functions do nothing but pass values through.
+
+The hand-off takes no lock: the training thread appends a row with one ``list.extend`` and the
+flusher takes a prefix with a slice and ``del``. Each is atomic on one list, under the GIL and
+under free-threaded CPython alike (per-object locks), so the flusher sees all of a row or none.
 
 Row k of the history is the k-th ``log`` call of every rank, averaged by the kernel.
 """
@@ -17,22 +21,37 @@ import collections
 import numbers
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
+from ..wire import BarSnapshot, Block
 from .context import is_main
-
-if TYPE_CHECKING:
-    from ..display.state import Block
 
 FLUSH_INTERVAL = 0.05
 PROGRESS_INTERVAL = 0.1  # seconds between two snapshots of a bar the flusher may send
 T = TypeVar("T")
-_Pending = list  # [epoch, keys, values of row after row, whether a device tensor is unread]
 
-Sink = Callable[[str, Any], None]  # sink("log", (first_row, blocks)) / sink("progress", bars)
+
+class LiveSink(Protocol):
+    """Where the flusher delivers: called every ``FLUSH_INTERVAL`` at most, never per step."""
+
+    def rows(self, first: int, blocks: list[Block]) -> None: ...
+
+    def bars(self, bars: list[BarSnapshot]) -> None: ...
+
+
+class _Block:
+    """Consecutive rows with the same epoch and keys: their values row after row."""
+
+    __slots__ = ("epoch", "keys", "unread", "values")
+
+    def __init__(self, epoch: int | None, keys: tuple[str, ...]) -> None:
+        self.epoch = epoch
+        self.keys = keys
+        self.values: list[Any] = []
+        self.unread = False  # a device tensor among the values, read by the flusher
 
 
 class _Bar:
@@ -47,10 +66,16 @@ class _Bar:
         self.started = time.monotonic()
         self.closed = False
 
-    def snapshot(self) -> dict[str, Any]:
-        return {"id": self.id, "level": self.level, "desc": self.desc, "n": self.n,
-                "total": self.total, "elapsed": time.monotonic() - self.started,
-                "closed": self.closed}
+    def snapshot(self) -> BarSnapshot:
+        return BarSnapshot(
+            self.id,
+            self.level,
+            self.desc,
+            self.n,
+            self.total,
+            time.monotonic() - self.started,
+            self.closed,
+        )
 
 
 class LiveBuffer:
@@ -62,18 +87,21 @@ class LiveBuffer:
     ``list.extend`` a row, or a new block), the flusher only takes what is complete.
     """
 
-    def __init__(self, sink: Sink) -> None:
+    def __init__(self, sink: LiveSink) -> None:
         self._sink = sink
         self._lock = threading.Lock()  # for the bars
         self._flushing = threading.Lock()  # one flush at a time: rows leave in order
-        self._queue: collections.deque[_Pending] = collections.deque()  # the last one is open
-        self._open: _Pending | None = None  # the block log() extends
+        self._queue: collections.deque[_Block] = collections.deque()  # the last one is open
+        self._open: _Block | None = None  # the block log() extends
         self._sent = 0  # rows already handed to the sink
         self._bars: list[_Bar] = []  # the active stack, outermost first
-        self._closed: list[dict[str, Any]] = []  # bars closed since the last snapshot
-        self._bars_dirty = False
+        self._closed: list[BarSnapshot] = []  # bars closed since the last snapshot
+        self.bars_dirty = False  # a bar moved since the last snapshot
         self._next_bar = 0
         self.epoch: int | None = None  # the current pass of a prepared loader, if any
+        # Set by a stop of a run in the kernel: log() and progress() raise it, a clean point
+        # to end the user's loop (see in_kernel.py).
+        self.abort: type[BaseException] | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nbddp-live", daemon=True)
         self._thread.start()
@@ -82,6 +110,8 @@ class LiveBuffer:
 
     def log(self, row: dict[str, Any]) -> None:
         """``row`` is a fresh dict the caller gives away: converted in place, no copy."""
+        if self.abort is not None:
+            raise self.abort
         unread = False  # a device tensor, read later
         for name, value in row.items():  # the common cases inline: this runs every step
             if type(value) is float:
@@ -98,12 +128,12 @@ class LiveBuffer:
         epoch = bars[0].n if len(bars) >= 2 else self.epoch
         keys = tuple(row)
         block = self._open
-        if block is None or keys != block[1] or epoch != block[0]:
-            block = self._open = [epoch, keys, [], False]
+        if block is None or keys != block.keys or epoch != block.epoch:
+            block = self._open = _Block(epoch, keys)
             self._queue.append(block)
         if unread:
-            block[3] = True  # before the values: the flusher reads them first, then this
-        block[2].extend(row.values())  # atomic: the flusher sees all of a row or none of it
+            block.unread = True  # before the values: the flusher reads them first, then this
+        block.values.extend(row.values())  # atomic: the flusher sees all of a row or none
 
     def _take_rows(self) -> tuple[int, list[Block]]:
         """On the flusher: the rows logged so far, as blocks, and the index of the first."""
@@ -111,18 +141,19 @@ class LiveBuffer:
         blocks: list[Block] = []
         queue = self._queue
         pending = list(queue)
-        for i, (epoch, keys, values, _) in enumerate(pending):
+        for i, block in enumerate(pending):
+            values = block.values
             if i < len(pending) - 1:  # a later block exists: this one is complete
                 queue.popleft()
                 rows = values
             else:  # maybe still open: take what is there
-                rows = values[:len(values)]
-                del values[:len(rows)]
+                rows = values[: len(values)]
+                del values[: len(rows)]
             if rows:
-                width = len(keys)
-                blocks.append((epoch, keys, [rows[k::width] for k in range(width)]))
+                width = len(block.keys)
+                blocks.append((block.epoch, block.keys, [rows[k::width] for k in range(width)]))
                 self._sent += len(rows) // width
-        if any(block[3] for block in pending):
+        if any(block.unread for block in pending):
             _read_tensors(blocks)
         return first, blocks
 
@@ -131,7 +162,7 @@ class LiveBuffer:
             bar = _Bar(self._next_bar, len(self._bars), desc, total)
             self._next_bar += 1
             self._bars.append(bar)
-            self._bars_dirty = True
+            self.bars_dirty = True
         return bar
 
     def close_bar(self, bar: _Bar) -> None:
@@ -140,7 +171,7 @@ class LiveBuffer:
             self._closed.append(bar.snapshot())
             if bar in self._bars:
                 self._bars.remove(bar)
-            self._bars_dirty = True
+            self.bars_dirty = True
 
     # the flusher
 
@@ -148,23 +179,24 @@ class LiveBuffer:
         last_bars = 0.0
         while not self._stopping.wait(FLUSH_INTERVAL):
             now = time.monotonic()
-            self.flush(bars=now - last_bars >= PROGRESS_INTERVAL)
-            if now - last_bars >= PROGRESS_INTERVAL:
+            bars_due = now - last_bars >= PROGRESS_INTERVAL
+            self.flush(bars=bars_due)
+            if bars_due:
                 last_bars = now
 
     def flush(self, bars: bool = True) -> None:
         with self._flushing:
             first, blocks = self._take_rows()
             snapshot = None
-            if bars and self._bars_dirty:
+            if bars and self.bars_dirty:
                 with self._lock:
                     snapshot = self._closed + [b.snapshot() for b in self._bars]
                     self._closed = []
-                    self._bars_dirty = False
+                    self.bars_dirty = False
             if blocks:
-                self._sink("log", (first, blocks))
+                self._sink.rows(first, blocks)
             if snapshot is not None:
-                self._sink("progress", snapshot)
+                self._sink.bars(snapshot)
 
     def close(self) -> None:
         """Ship everything still pending; called when fn returns or raises."""
@@ -190,21 +222,22 @@ def _scalar(name: str, value: Any) -> Any:
     if isinstance(value, numbers.Real):  # int, bool, numpy scalars
         return float(value)
     raise TypeError(
-        f"nbddp.log: {name!r} must be a number or a one-element tensor, got "
-        f"{type(value).__name__}."
+        f"nbddp.log: {name!r} must be a number or a one-element tensor, got {type(value).__name__}."
     )
 
 
 def _read_tensors(blocks: list[Block]) -> None:
     """Device tensors become floats, in place, with one device-to-host copy per
     (device, dtype, shape)."""
-    groups: dict[tuple, list[tuple[list[Any], int]]] = {}
+    groups: dict[tuple[Any, ...], list[tuple[list[Any], int]]] = {}
     for _, _, columns in blocks:
         for column in columns:
-            for i, value in enumerate(column):
+            values: list[Any] = column  # floats, and the device tensors read here
+            for i, value in enumerate(values):
                 if type(value) is not float:
                     groups.setdefault((value.device, value.dtype, value.shape), []).append(
-                        (column, i))
+                        (column, i)
+                    )
     for places in groups.values():
         stacked = torch.stack([column[i] for column, i in places])
         values = stacked.reshape(-1).to(torch.float64).cpu().tolist()
@@ -264,8 +297,9 @@ def progress(
 class _Progress(Generic[T]):
     """What ``progress`` returns on rank 0: iterates, counts, and keeps ``len``."""
 
-    def __init__(self, buffer: LiveBuffer, iterable: Iterable[T], desc: str | None,
-                 total: int | None) -> None:
+    def __init__(
+        self, buffer: LiveBuffer, iterable: Iterable[T], desc: str | None, total: int | None
+    ) -> None:
         self._buffer = buffer
         self._iterable = iterable
         self.desc = desc
@@ -281,8 +315,10 @@ class _Progress(Generic[T]):
         bar = buffer.open_bar(self.desc, self.total)
         try:
             for item in self._iterable:
+                if buffer.abort is not None:
+                    raise buffer.abort
                 yield item
                 bar.n += 1
-                buffer._bars_dirty = True
+                buffer.bars_dirty = True  # an attribute, not a method: this runs per item
         finally:
             buffer.close_bar(bar)

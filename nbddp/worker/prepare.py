@@ -14,6 +14,7 @@ with a warning, and the dataset should shard itself with ``nbddp.rank()``.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -64,7 +65,7 @@ def unwrap(model: Any) -> Any:
             return model
 
 
-def prepare_loader(loader: DataLoader, move_to_device: bool = True) -> DataLoader:
+def prepare_loader(loader: DataLoader[Any], move_to_device: bool = True) -> DataLoader[Any]:
     """Shard ``loader`` across the ranks and deliver its batches on this rank's device."""
     if not isinstance(loader, DataLoader):
         raise TypeError(f"prepare_loader expects a DataLoader, got {type(loader).__name__}.")
@@ -92,7 +93,7 @@ def prepare_loader(loader: DataLoader, move_to_device: bool = True) -> DataLoade
     return _PreparedLoader(loader, sampler=sampler, target=target)
 
 
-def _distributed_sampler(loader: DataLoader) -> DistributedSampler:
+def _distributed_sampler(loader: DataLoader[Any]) -> DistributedSampler[Any]:
     sampler = loader.sampler
     if isinstance(sampler, DistributedSampler):
         return sampler
@@ -113,34 +114,40 @@ def _distributed_sampler(loader: DataLoader) -> DistributedSampler:
     )
 
 
-class _PreparedLoader(DataLoader):
+# DataLoader parameters that prepare_loader sets itself rather than copying.
+_OURS = frozenset({"self", "dataset", "shuffle", "sampler", "batch_sampler"})
+
+
+def _settings_of(loader: DataLoader[Any]) -> dict[str, Any]:
+    """Every DataLoader setting the loader keeps, read from the loader itself, so a setting a
+    future torch adds is carried over too (``shuffle`` lives in the sampler)."""
+    settings: dict[str, Any] = {}
+    for name, parameter in inspect.signature(DataLoader.__init__).parameters.items():
+        if name in _OURS or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if hasattr(loader, name):
+            settings[name] = getattr(loader, name)
+    return settings
+
+
+class _PreparedLoader(DataLoader[Any]):
     """A copy of the user's DataLoader with our sampler, stepping epochs and moving batches."""
 
-    def __init__(self, original: DataLoader, *, sampler: Any, target: torch.device | None):
-        settings: dict[str, Any] = {
-            "batch_size": original.batch_size,
-            "drop_last": original.drop_last,
-            "num_workers": original.num_workers,
-            "collate_fn": original.collate_fn,
-            "pin_memory": original.pin_memory,
-            "timeout": original.timeout,
-            "worker_init_fn": original.worker_init_fn,
-            "multiprocessing_context": original.multiprocessing_context,
-            "generator": original.generator,
-            "persistent_workers": original.persistent_workers,
-        }
-        if original.num_workers > 0:
-            settings["prefetch_factor"] = original.prefetch_factor
+    def __init__(
+        self, original: DataLoader[Any], *, sampler: Any, target: torch.device | None
+    ) -> None:
+        settings = _settings_of(original)
         if original.batch_size is None and original.batch_sampler is not None:
-            settings["batch_sampler"] = original.batch_sampler
-            del settings["batch_size"], settings["drop_last"]
+            settings["batch_sampler"] = original.batch_sampler  # exclusive with these two:
+            settings.pop("batch_size", None)
+            settings.pop("drop_last", None)
         else:
             settings["sampler"] = sampler
         super().__init__(original.dataset, **settings)
         self._target = target
         self._epoch = 0
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override] # batches, moved
         if isinstance(self.sampler, DistributedSampler):
             self.sampler.set_epoch(self._epoch)
         live.set_epoch(self._epoch)
@@ -155,7 +162,7 @@ def _to_device(batch: Any, target: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(target, non_blocking=True)
     if isinstance(batch, Mapping):
-        return type(batch)({k: _to_device(v, target) for k, v in batch.items()})
+        return type(batch)({k: _to_device(v, target) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(_to_device(v, target) for v in batch))
     if isinstance(batch, (list, tuple)):

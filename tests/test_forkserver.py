@@ -12,16 +12,16 @@ import pytest
 from conftest import is_warm_helper
 
 import nbddp
-from nbddp import warm
+from nbddp import forkserver
 
 TWO_CPU = {"num_workers": 2, "device": "cpu", "display": "none"}
 
 
 @pytest.fixture
 def ready_helper():
-    warm.prestart(None)
-    assert warm.wait_until_ready(60), "the helper never became ready"
-    return warm.helper_pid()
+    forkserver.prestart()
+    assert forkserver.wait_until_ready(60), "the helper never became ready"
+    return forkserver.helper_pid()
 
 
 def identity() -> dict:
@@ -32,10 +32,16 @@ def identity() -> dict:
     import torch.distributed as dist
 
     probe.counter += 1  # a module global mutated by this launch
-    return {"pid": os.getpid(), "parent": os.getppid(), "counter": probe.counter,
-            "group": (dist.is_initialized(), dist.get_world_size()),
-            "torch": torch.rand(1).item(), "random": random.random(),
-            "threads": torch.get_num_threads(), "session": os.getsid(0) == os.getpid()}
+    return {
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "counter": probe.counter,
+        "group": (dist.is_initialized(), dist.get_world_size()),
+        "torch": torch.rand(1).item(),
+        "random": random.random(),
+        "threads": torch.get_num_threads(),
+        "session": os.getsid(0) == os.getpid(),
+    }
 
 
 @pytest.fixture
@@ -83,10 +89,9 @@ def test_a_dead_helper_is_replaced_and_launches_keep_working(ready_helper):
     deadline = time.monotonic() + 5
     while psutil.pid_exists(ready_helper) and time.monotonic() < deadline:
         time.sleep(0.05)
-    # this launch notices, starts cold (its workers are our children) and a new helper
-    assert nbddp.notebook_launch(parent_pid, **TWO_CPU) == os.getpid()
-    assert warm.wait_until_ready(60)
-    new_helper = warm.helper_pid()
+    # the next launch notices, starts a new helper and waits for it
+    assert nbddp.notebook_launch(parent_pid, **TWO_CPU) != ready_helper
+    new_helper = forkserver.helper_pid()
     assert new_helper not in (None, ready_helper)
     assert nbddp.notebook_launch(parent_pid, **TWO_CPU) == new_helper
 
@@ -111,8 +116,10 @@ def test_failures_hold_on_the_warm_path(ready_helper):
 def test_the_helper_ends_with_its_kernel(kernel_factory):
     kernel = kernel_factory()
     try:
-        out, reply = kernel.run("import nbddp\nfrom nbddp import warm\n"
-                                "print(warm.wait_until_ready(60), warm.helper_pid())")
+        out, reply = kernel.run(
+            "import nbddp\nfrom nbddp import forkserver\n"
+            "print(forkserver.wait_until_ready(60), forkserver.helper_pid())"
+        )
         assert reply["status"] == "ok", out
         helper = int(out.split()[-1])
         assert is_warm_helper(psutil.Process(helper))

@@ -12,8 +12,11 @@ from conftest import is_warm_helper
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
         if not alive:
             return []
         time.sleep(0.05)
@@ -21,11 +24,7 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def test_function_class_and_closure_defined_in_cells(kernel):
-    kernel.run(
-        "class Doubler(torch.nn.Module):\n"
-        "    def forward(self, x):\n"
-        "        return 2 * x\n"
-    )
+    kernel.run("class Doubler(torch.nn.Module):\n    def forward(self, x):\n        return 2 * x\n")
     kernel.run(
         "def make_train(factor):\n"
         "    def train():\n"
@@ -55,8 +54,9 @@ def test_error_shows_the_cell_source_line(kernel):
 
 
 def test_interrupt_stops_every_worker_and_the_next_launch_works(kernel):
-    kernel.run("import time\ndef forever():\n    print('started', flush=True)\n"
-               "    time.sleep(600)\n")
+    kernel.run(
+        "import time\ndef forever():\n    print('started', flush=True)\n    time.sleep(600)\n"
+    )
     interrupted = []
 
     def interrupt_once_started(msg: dict) -> None:
@@ -67,7 +67,8 @@ def test_interrupt_stops_every_worker_and_the_next_launch_works(kernel):
     started = time.monotonic()
     reply = kernel.client.execute_interactive(  # text display: rank 0's prints are streams
         "nbddp.notebook_launch(forever, num_workers=2, device='cpu', display='text')",
-        timeout=60, output_hook=interrupt_once_started,
+        timeout=60,
+        output_hook=interrupt_once_started,
     )
     assert interrupted, "the workers never printed"
     assert reply["content"]["ename"] == "KeyboardInterrupt"

@@ -13,12 +13,19 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(
+        notebook,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
-    summaries = [o for o in outputs if "text/html" in o.get("data", {})
-                 and "nbddp-summary" in o["data"]["text/html"]]
+    summaries = [
+        o
+        for o in outputs
+        if "text/html" in o.get("data", {}) and "nbddp-summary" in o["data"]["text/html"]
+    ]
     assert summaries, "no nbddp run summary in the outputs"
 
 

@@ -1,0 +1,57 @@
+"""The seam between a :class:`~nbddp.run.Run` and what executes it.
+
+A :class:`Backend` runs the ranks somewhere (in the kernel itself, as processes on this
+machine, on a cluster), reports what happens to :class:`RunEvents`, and calls ``finish``
+exactly once with the :class:`Outcome`. ``Run`` knows nothing else about it, and a new place
+to run ranks is a new Backend, not a branch in the launch path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple, Protocol
+
+from .pump import Writable
+from .wire import BarSnapshot, Block
+
+Status = Literal["starting", "running", "succeeded", "failed", "stopped"]
+EndStatus = Literal["succeeded", "failed", "stopped"]
+
+
+class Outcome(NamedTuple):
+    status: EndStatus
+    value: Any = None
+    error: BaseException | None = None
+
+
+class RunEvents(Protocol):
+    """What a backend reports while it runs; the run's state model implements it."""
+
+    @property
+    def output(self) -> Writable | None:
+        """Where the ranks' output goes (the live panel), or None: the cell's own streams."""
+
+    def started(self) -> None:
+        """Every rank is up: the run is "running"."""
+
+    def device(self, name: str) -> None:
+        """Rank 0's device, for the header (e.g. the GPU's name)."""
+
+    def rows(self, rank: int, first: int, blocks: list[Block]) -> None:
+        """Rows ``first``, ``first + 1``, ... of one rank's ``nbddp.log`` calls."""
+
+    def bars(self, bars: list[BarSnapshot]) -> None:
+        """A snapshot of rank 0's progress bars."""
+
+
+Finish = Callable[[Outcome], None]
+
+
+class Backend(Protocol):
+    def start(self, events: RunEvents, finish: Finish) -> None:
+        """Start the ranks. Raises (after cleaning up) if they cannot start; otherwise
+        ``finish`` is called exactly once later (or before ``start`` returns, for a backend
+        that runs the call in the caller's thread)."""
+
+    def stop(self) -> None:
+        """Ask for the end; ``finish`` then reports "stopped" (unless it already ended)."""

@@ -1,0 +1,140 @@
+"""The environment each rank sees, built in one place: the torchrun variables (for every rank
+of a launch, and for the kernel itself when it runs one rank), thread and GPU settings, and the
+user's ``env=``.
+
+The variables nbddp owns cannot be set through ``env=``: :func:`check_user_env` refuses them
+and names the option that sets them instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from .processes import RUN_ID_VARIABLE
+
+WORKER_VARIABLE = "NBDDP_WORKER"  # set in every rank and in the helper: no helper of its own
+
+# What sets each variable nbddp owns, for the error that refuses it in env=.
+_OWNED = {
+    "RANK": "num_workers=",
+    "LOCAL_RANK": "num_workers=",
+    "GROUP_RANK": "num_workers=",
+    "ROLE_RANK": "num_workers=",
+    "WORLD_SIZE": "num_workers=",
+    "LOCAL_WORLD_SIZE": "num_workers=",
+    "ROLE_WORLD_SIZE": "num_workers=",
+    "GROUP_WORLD_SIZE": "num_workers=",
+    "ROLE_NAME": "nbddp itself",
+    "MASTER_ADDR": "nbddp itself (the kernel's machine, 127.0.0.1)",
+    "MASTER_PORT": "nbddp itself (a free port, new for every launch)",
+    RUN_ID_VARIABLE: "nbddp itself",
+    WORKER_VARIABLE: "nbddp itself",
+}
+
+
+class Place(NamedTuple):
+    """Where one rank sits, as torchrun describes it."""
+
+    rank: int
+    local_rank: int
+    group_rank: int  # the node's rank
+    world_size: int
+    local_world_size: int
+    group_world_size: int  # the number of nodes
+
+
+def single_node(rank: int, world_size: int) -> Place:
+    return Place(rank, rank, 0, world_size, world_size, 1)
+
+
+def torchrun_env(place: Place, master_addr: str, master_port: int, run_id: str) -> dict[str, str]:
+    """Exactly what torchrun sets for a rank, so Lightning and Accelerate recognise the launch
+    (they look at ``TORCHELASTIC_RUN_ID`` and the ranks)."""
+    return {
+        "RANK": str(place.rank),
+        "LOCAL_RANK": str(place.local_rank),
+        "GROUP_RANK": str(place.group_rank),
+        "ROLE_RANK": str(place.rank),
+        "WORLD_SIZE": str(place.world_size),
+        "LOCAL_WORLD_SIZE": str(place.local_world_size),
+        "ROLE_WORLD_SIZE": str(place.world_size),
+        "GROUP_WORLD_SIZE": str(place.group_world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def worker_env(
+    place: Place,
+    port: int,
+    run_id: str,
+    *,
+    device: str,
+    gpus: tuple[int, ...],
+    user_env: Mapping[str, str],
+) -> dict[str, str]:
+    """The kernel's environment plus what torchrun would set, plus the user's ``env=``."""
+    env = dict(os.environ)
+    env.update(torchrun_env(place, "127.0.0.1", port, run_id))
+    env[RUN_ID_VARIABLE] = run_id
+    env[WORKER_VARIABLE] = str(place.rank)  # importing nbddp in a rank starts no helper
+    env["PYTHONUNBUFFERED"] = "1"
+    if "OMP_NUM_THREADS" not in os.environ:  # split the cores instead of oversubscribing them
+        env["OMP_NUM_THREADS"] = str(max(1, available_cores() // place.local_world_size))
+    if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
+        env["MPLBACKEND"] = "Agg"  # the notebook's inline backend means nothing in a rank
+    if device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(physical_gpus(gpus))
+    env.update(user_env)
+    return env
+
+
+def available_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def physical_gpus(gpus: tuple[int, ...]) -> list[str]:
+    """The kernel's GPU indices, translated through its own CUDA_VISIBLE_DEVICES, deduplicated."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [v.strip() for v in visible.split(",")] if visible else None
+    unique = list(dict.fromkeys(gpus))
+    return [names[i] if names else str(i) for i in unique]
+
+
+def device_indices(gpus: tuple[int, ...]) -> tuple[int, ...]:
+    """Each rank's cuda index inside its process (its GPU's place among the selected ones)."""
+    unique = list(dict.fromkeys(gpus))
+    return tuple(unique.index(g) for g in gpus)
+
+
+def check_user_env(env: Mapping[str, str], device: str) -> None:
+    """Refuse ``env=`` entries that would contradict the launch (the run would hang in the
+    rendezvous until a timeout), naming the option that sets each instead."""
+    for name in env:
+        owner = _OWNED.get(name)
+        if owner is None and name.startswith("TORCHELASTIC_"):
+            owner = "nbddp itself (Lightning and Accelerate read it)"
+        if owner is None and name == "CUDA_VISIBLE_DEVICES" and device == "cuda":
+            owner = "gpus= (e.g. gpus=[2, 3])"
+        if owner is not None:
+            raise ValueError(
+                f"env={{{name!r}: ...}}: nbddp sets {name} for every rank; a different value "
+                f"would leave the ranks waiting for each other. It is set by {owner}: drop it "
+                "from env=."
+            )

@@ -1,0 +1,203 @@
+"""Carry the ranks' stdout/stderr to the notebook while they run, in bounded memory.
+
+The supervisor's loop calls :meth:`OutputPump.read` when a rank's pipe is readable; what was
+read goes to the streams the launching cell had (``sys.stdout``/``sys.stderr`` at launch
+time) or to the live panel. Rank 0's output goes through as it comes, carriage returns
+included, so a tqdm bar in a rank still animates; with ``output="all"`` every line (and every
+carriage-return redraw) is prefixed ``[rank N]``. The last lines of each rank's stderr are kept
+whatever ``output`` says (:class:`LineWindow`), so a rank that dies without a Python traceback
+can still be explained.
+
+Time and memory stay linear in what a rank writes, even without a newline: an open line longer
+than ``MAX_LINE`` characters is cut with a marker.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import contextlib
+import os
+import re
+import sys
+from typing import Protocol
+
+from .plan import Output
+
+MAX_LINE = 10_000  # characters of one line kept for the panel and the stderr tail
+_TAIL_LINES = 40
+_CHUNK = 65536
+_LINE_STARTS = re.compile(r"(\r(?!\n)|\n)(?=[^\r\n])")
+
+
+class Writable(Protocol):
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+class LineWindow:
+    """The last ``keep`` lines of a text stream, as a terminal would show them: a carriage
+    return starts the line over (a progress bar stays one line), an overlong line is cut.
+    Feeding is linear in the text; nothing grows beyond ``keep`` lines of ``max_line``."""
+
+    def __init__(self, keep: int, max_line: int = MAX_LINE) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self.dropped = 0  # complete lines that fell out of the window
+        self._open: list[str] = []  # pieces of the line not yet ended by a newline
+        self._open_length = 0
+        self._cut = 0  # characters of the open line not kept
+        self._restart = False  # a carriage return was seen: the next text replaces the line
+        self.max_line = max_line
+
+    def feed(self, text: str) -> None:
+        for index, segment in enumerate(text.split("\n")):
+            if index:
+                self._end_line()
+            if not segment:
+                continue
+            pieces = segment.split("\r")
+            for position, piece in enumerate(pieces):
+                if position:
+                    self._restart = True
+                if piece:
+                    if self._restart:
+                        self._open, self._open_length, self._cut = [], 0, 0
+                        self._restart = False
+                    self._add(piece)
+
+    def _add(self, piece: str) -> None:
+        room = self.max_line - self._open_length
+        if room <= 0:
+            self._cut += len(piece)
+            return
+        if len(piece) > room:
+            self._cut += len(piece) - room
+            piece = piece[:room]
+        self._open.append(piece)
+        self._open_length += len(piece)
+
+    def _end_line(self) -> None:
+        line = "".join(self._open)
+        if self._cut:
+            line += f" … [{self._cut} more characters not shown]"
+        if len(self.lines) == self.lines.maxlen:
+            self.dropped += 1
+        self.lines.append(line)
+        self._open, self._open_length, self._cut, self._restart = [], 0, 0, False
+
+    @property
+    def open_line(self) -> str:
+        return "".join(self._open)
+
+    def text(self) -> str:
+        """The window as text: complete lines, then the open one."""
+        lines = list(self.lines)
+        if self._open:
+            lines.append(self.open_line)
+        return "\n".join(lines) + ("\n" if self.lines and not self._open else "")
+
+
+class _Pipe:
+    def __init__(
+        self, rank: int, fd: int, target: Writable | None, prefix: str, tail: LineWindow | None
+    ) -> None:
+        self.rank = rank
+        self.fd = fd
+        self.target = target
+        self.prefix = prefix
+        self.tail = tail
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.at_line_start = True
+        self.open = True
+
+
+class OutputPump:
+    """Reads the ranks' pipes when the supervisor says they are readable."""
+
+    def __init__(self, mode: Output, target: Writable | None = None) -> None:
+        """``target`` receives both streams (the live panel); default: the launching cell's
+        own ``sys.stdout`` and ``sys.stderr``."""
+        self._mode = mode
+        self._stdout: Writable = target or sys.stdout
+        self._stderr: Writable = target or sys.stderr
+        self._pipes: dict[int, _Pipe] = {}
+        self._tails: dict[int, LineWindow] = {}
+
+    def add(self, rank: int, stdout_fd: int, stderr_fd: int) -> None:
+        """Register one rank's read ends (made non-blocking here)."""
+        shown = self._mode == "all" or (self._mode == "rank0" and rank == 0)
+        prefix = f"[rank {rank}] " if self._mode == "all" else ""
+        tail = self._tails.setdefault(rank, LineWindow(_TAIL_LINES))
+        for fd, target, is_err in (
+            (stdout_fd, self._stdout, False),
+            (stderr_fd, self._stderr, True),
+        ):
+            os.set_blocking(fd, False)
+            self._pipes[fd] = _Pipe(
+                rank, fd, target if shown else None, prefix, tail if is_err else None
+            )
+
+    def fds(self, rank: int | None = None) -> list[int]:
+        """The pipes still open (of one rank, or of all)."""
+        return [fd for fd, p in self._pipes.items() if p.open and rank in (None, p.rank)]
+
+    def read(self, fd: int, chunks: int = 4) -> bool:
+        """Read what ``fd`` holds now, at most ``chunks`` pieces so the loop can serve the
+        others; False once it reached EOF."""
+        pipe = self._pipes[fd]
+        for _ in range(chunks):
+            try:
+                data = os.read(fd, _CHUNK)
+            except BlockingIOError:
+                return True
+            except OSError:
+                data = b""
+            if not data:
+                self._deliver(pipe, pipe.decoder.decode(b"", final=True))
+                pipe.open = False
+                return False
+            self._deliver(pipe, pipe.decoder.decode(data))
+        return True
+
+    def drain(self, rank: int) -> None:
+        """Read all that a rank's pipes hold right now: its last words, once it has exited."""
+        for fd in self.fds(rank):
+            self.read(fd, chunks=64)  # stops at EOF, or when a stray holds it open and empty
+
+    def stderr_tail(self, rank: int) -> str:
+        tail = self._tails.get(rank)
+        return tail.text() if tail is not None else ""
+
+    def close(self) -> None:
+        """Close every read end; a stray process still holding a write end is not waited for."""
+        for fd, pipe in self._pipes.items():
+            if pipe.open:
+                self.read(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._pipes.clear()
+
+    def _deliver(self, pipe: _Pipe, text: str) -> None:
+        if not text:
+            return
+        if pipe.tail is not None:
+            pipe.tail.feed(text)
+        if pipe.target is None:
+            return
+        if pipe.prefix:
+            text = self._prefixed(pipe, text)
+        try:
+            pipe.target.write(text)
+            pipe.target.flush()
+        except (OSError, ValueError):  # the notebook's stream went away; keep draining
+            pipe.target = None
+
+    @staticmethod
+    def _prefixed(pipe: _Pipe, text: str) -> str:
+        """``[rank N]`` at the start of every line and of every carriage-return redraw."""
+        prefix = pipe.prefix
+        head = prefix if pipe.at_line_start and text[0] not in "\r\n" else ""
+        body = _LINE_STARTS.sub(lambda m: m.group(1) + prefix, text)
+        pipe.at_line_start = text[-1] in "\r\n"  # the next chunk starts a line
+        return head + body

@@ -1,0 +1,55 @@
+"""A ``%%ddp`` cell on a rank: run its source like a notebook cell, hand back its names.
+
+The kernel's half (which names go in and out) is ``nbddp/cell.py``; this function travels to
+every rank by reference and runs there.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import payload
+from .context import is_main
+
+
+@dataclass
+class CellOutcome:
+    """What rank 0 sends back into the notebook namespace."""
+
+    values: dict[str, Any] = field(default_factory=dict)  # names that travel back
+    skipped: dict[str, str] = field(default_factory=dict)  # names that cannot, and why
+    deleted: list[str] = field(default_factory=list)  # names the cell deleted
+    shown: Any = None  # the cell's last expression, displayed like a normal cell's
+
+
+def run_cell(
+    source: str, filename: str, inputs: dict[str, Any], out_names: tuple[str, ...], show_last: bool
+) -> CellOutcome | None:
+    """Run on every rank; rank 0 returns what goes back into the notebook namespace."""
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **inputs}
+    tree = ast.parse(source, filename)
+    last = tree.body.pop() if show_last else None
+    exec(compile(tree, filename, "exec"), namespace)
+    shown = None
+    if isinstance(last, ast.Expr):
+        shown = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+    if not is_main():
+        return None
+    outcome = CellOutcome()
+    for name in out_names:
+        if name not in namespace:
+            outcome.deleted.append(name)
+            continue
+        failure = payload.check_picklable(namespace[name])
+        if failure is None:
+            outcome.values[name] = namespace[name]
+        else:
+            outcome.skipped[name] = f"{type(failure).__name__}: {failure}"
+    if shown is not None and payload.check_picklable(shown) is not None:
+        outcome.skipped["(the cell's last value)"] = "it cannot be pickled"
+        shown = None
+    outcome.shown = shown
+    return outcome

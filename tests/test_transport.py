@@ -1,0 +1,138 @@
+"""The wire between ranks and the kernel: strangers are dropped before a byte is unpickled,
+frames carry buffers straight into their destination, a slow reader is fed a piece at a time."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import selectors
+import socket
+import struct
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from nbddp.transport import AuthenticationFailed, Connection, FrameReader, Listener, connect
+
+
+class _Boom:
+    """Unpickling this creates a file: proof that someone unpickled attacker bytes."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _serve(listener: Listener, until: float, accepted: list) -> None:
+    """The kernel's side, as the supervisor drives it: accept and handshake without blocking."""
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, None)
+    while time.monotonic() < until:
+        for key, _ in selector.select(0.05):
+            if key.data is None:
+                pending = listener.accept()
+                if pending is not None:
+                    selector.register(pending, selectors.EVENT_READ, pending)
+                continue
+            try:
+                conn = key.data.advance()
+            except BlockingIOError:
+                continue
+            except (AuthenticationFailed, EOFError, OSError):
+                listener.rejected += 1
+                selector.unregister(key.fileobj)
+                key.data.close()
+                continue
+            if conn is not None:
+                selector.unregister(key.fileobj)
+                conn.sock.setblocking(True)
+                accepted.append(conn.recv().message)
+                conn.close()
+    for key in list(selector.get_map().values()):
+        if key.data is not None:
+            key.data.close()
+    selector.close()
+
+
+def test_strangers_are_dropped_unheard_and_a_silent_one_blocks_nobody(tmp_path):
+    with tempfile.TemporaryDirectory() as private:
+        listener = Listener(f"unix:{private}/channel.sock")
+        accepted: list = []
+        server = threading.Thread(target=_serve, args=(listener, time.monotonic() + 4, accepted))
+        server.start()
+        try:
+            marker = tmp_path / "unpickled"
+            silent = socket.socket(socket.AF_UNIX)  # connects and never says a word
+            silent.connect(listener.address[5:])
+            # A client that skips the handshake and sends a malicious frame straight away.
+            evil = pickle.dumps(("hello", _Boom(str(marker))))
+            with socket.socket(socket.AF_UNIX) as raw:
+                raw.connect(listener.address[5:])
+                raw.sendall(struct.pack("!IIQ", 0, 0, len(evil)) + evil + b"\0" * 64)
+                time.sleep(0.3)
+            with pytest.raises(AuthenticationFailed):  # the wrong key
+                connect(listener.address, b"wrong" * 8, timeout=2)
+            started = time.monotonic()
+            conn = connect(listener.address, listener.key)  # the right key gets through
+            assert time.monotonic() - started < 1  # the silent client holds up nobody
+            conn.send(("hello", 3))
+            deadline = time.monotonic() + 3
+            while not accepted and time.monotonic() < deadline:
+                time.sleep(0.01)
+            conn.close()
+            silent.close()
+        finally:
+            server.join()
+            listener.close()
+        assert accepted == [("hello", 3)]
+        assert not marker.exists()
+        assert listener.rejected >= 2
+        assert not os.path.exists(listener.address[5:])
+
+
+def test_buffers_land_in_their_destination_and_descriptors_ride_along():
+    left, right = socket.socketpair()
+    sender, receiver = Connection(left), Connection(right)
+    data = np.arange(3_000_000, dtype=np.float64)  # 24 MB: many pieces
+    fd = os.memfd_create("probe")
+    os.write(fd, b"shared")
+    threading.Thread(target=sender.send, args=(("big", 1), [data, b"", b"xyz"], [fd])).start()
+    frame = receiver.recv()
+    assert frame.message == ("big", 1)
+    assert [len(b) for b in frame.buffers] == [data.nbytes, 0, 3]
+    assert np.array_equal(np.frombuffer(frame.buffers[0]), data)
+    assert len(frame.fds) == 1 and os.pread(frame.fds[0], 6, 0) == b"shared"
+    for descriptor in (fd, *frame.fds):
+        os.close(descriptor)
+    sender.close()
+    receiver.close()
+
+
+def test_a_frame_read_a_piece_at_a_time_from_a_non_blocking_socket():
+    left, right = socket.socketpair()
+    right.setblocking(False)
+    allocated: list[bytearray] = []
+
+    def allocate(size: int) -> bytearray:
+        allocated.append(bytearray(size))
+        return allocated[-1]
+
+    reader = FrameReader(allocate)
+    payload = os.urandom(5_000_000)
+    threading.Thread(target=Connection(left).send, args=(("result",), [payload])).start()
+    frame, reads = None, 0
+    while frame is None:
+        try:
+            frame = reader.read(right, budget=1 << 20)
+        except BlockingIOError:
+            time.sleep(0.001)
+        reads += 1
+    assert reads > 3  # it came in pieces, and the loop got control between them
+    assert frame.buffers[0] is allocated[0] and bytes(frame.buffers[0]) == payload
+    left.close()
+    right.close()
