@@ -25,7 +25,7 @@ PHASES = [
     ("first hello", "a rank is up: new session, fresh seeds, script, connect, handshake"),
     ("every rank has its job", "the other rank's hello; the pickled call sent to each"),
     ("every result in", "unpickle the call, `init_process_group` (gloo), `fn`, the result"),
-    ("every rank exited", "`Done` sent; each rank ends what it started and exits"),
+    ("every rank exited", "each rank ends what it started and exits"),
     ("the call returns", "teardown (reap, close, remove the directory), value unpickled"),
 ]
 

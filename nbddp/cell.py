@@ -15,8 +15,11 @@ from __future__ import annotations
 import ast
 import linecache
 import symtable
+import warnings
 from dataclasses import dataclass
 from typing import Any, cast
+
+from .errors import NbddpWarning
 
 # IPython's own names in the user namespace: never shipped, never brought back.
 _IPYTHON_NAMES = frozenset(
@@ -43,6 +46,7 @@ _IPYTHON_NAMES = frozenset(
 class CellNames:
     reads: frozenset[str]  # may be read from the notebook namespace
     writes: tuple[str, ...]  # bound (or deleted) at the notebook's top level, in order
+    deletes: frozenset[str] = frozenset()  # deleted at the top level (``del x``)
 
 
 def analyze(source: str) -> CellNames:
@@ -57,7 +61,55 @@ def analyze(source: str) -> CellNames:
     reads: set[str] = set()
     _scan(tree.body, set(), reads)
     keep = [n for n in dict.fromkeys(writes) if n not in _IPYTHON_NAMES]
-    return CellNames(reads=frozenset((reads | nested_reads) - _IPYTHON_NAMES), writes=tuple(keep))
+    deletes = {
+        target.id
+        for node in _top_level_nodes(tree)
+        if isinstance(node, ast.Delete)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    return CellNames(
+        reads=frozenset((reads | nested_reads) - _IPYTHON_NAMES),
+        writes=tuple(keep),
+        deletes=frozenset(deletes),
+    )
+
+
+def _top_level_nodes(tree: ast.Module) -> list[ast.AST]:
+    """Every node of the cell's own scope: nested functions, lambdas and classes left out."""
+    nodes: list[ast.AST] = []
+    pending: list[ast.AST] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        nodes.append(node)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            pending.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+def binding_line(source: str, name: str) -> int:
+    """The line where the cell first binds ``name`` (1 when it does not)."""
+    lines = [
+        getattr(node, "lineno", 1)
+        for node in _top_level_nodes(ast.parse(source))
+        if name in _binds(node)
+    ]
+    return min(lines, default=1)
+
+
+def _binds(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        return {node.id}
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).split(".")[0] for a in node.names}
+    return set()
+
+
+def warn_in_cell(message: str, filename: str, lineno: int) -> None:
+    """A warning shown against the user's cell and line, not nbddp's own source."""
+    warnings.warn_explicit(message, NbddpWarning, filename, lineno)
 
 
 def _nested_globals(table: symtable.SymbolTable, reads: set[str], writes: list[str]) -> None:

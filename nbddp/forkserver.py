@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 
+from . import interrupts
 from .environment import WORKER_VARIABLE
 from .processes import ColdStarter, Starter, WorkerProcess
 from .processes import signal_group as _signal_group
@@ -213,7 +214,7 @@ class WarmStarter:
 
     def prestart(self) -> None:
         """Start the helper in the background (cheap: one Popen)."""
-        with self._lock:
+        with interrupts.deferred(), self._lock:  # a helper is owned, or not started
             if self._helper is None or not self._helper.alive():
                 if self._helper is not None:
                     self._helper.close()

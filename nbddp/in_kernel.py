@@ -55,9 +55,9 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in env}
     made_group = False
     previous_cuda = None
-    with interrupts.deferred():  # the world is built whole, or not at all
-        os.environ.update(env)
-        try:
+    try:
+        with interrupts.deferred():  # the world is built whole; the finally takes it down
+            os.environ.update(env)
             if device.type == "cuda":
                 previous_cuda = torch.cuda.current_device()
                 torch.cuda.set_device(device)
@@ -65,14 +65,10 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
                 store = dist.HashStore()  # type: ignore[attr-defined]
                 dist.init_process_group(plan.backend, store=store, rank=0, world_size=1)
                 made_group = True
-        except BaseException:
-            _restore(saved, made_group, previous_cuda)
-            raise
-    try:
         with installed(Context(rank=0, local_rank=0, world_size=1, device=device)):
             yield
     finally:
-        with interrupts.deferred():  # and taken down whole
+        with interrupts.deferred():
             _restore(saved, made_group, previous_cuda)
 
 
@@ -156,19 +152,23 @@ class InKernel:
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
         plan = self.plan
         self._thread_id = threading.get_ident()
-        timer = threading.Timer(plan.timeout, self._abort, ("timeout",)) if plan.timeout else None
-        if timer is not None:
-            timer.daemon = True
-            timer.start()
-        buffer = self._buffer = live.LiveBuffer(_EventsSink(events))
-        if self._reason is not None:
-            buffer.abort = _Abort
-        # A blocking call owns the cell: its prints go to the panel, like a rank's would.
-        panel = events.output if plan.block else None
-        redirect = _redirected(panel) if panel is not None else contextlib.nullcontext()
-        previous_buffer = live.install(buffer)
         fn, args, kwargs = self._call
+        timer: threading.Timer | None = None
+        buffer: live.LiveBuffer | None = None
+        previous_buffer: live.LiveBuffer | None = None
         try:
+            with interrupts.deferred():  # what is set up here is undone in the finally
+                if plan.timeout:
+                    timer = threading.Timer(plan.timeout, self._abort, ("timeout",))
+                    timer.daemon = True
+                    timer.start()
+                buffer = self._buffer = live.LiveBuffer(_EventsSink(events))
+                if self._reason is not None:
+                    buffer.abort = _Abort
+                previous_buffer = live.install(buffer)
+            # A blocking call owns the cell: its prints go to the panel, like a rank's would.
+            panel = events.output if plan.block else None
+            redirect = _redirected(panel) if panel is not None else contextlib.nullcontext()
             with single_rank_world(plan), redirect:
                 with self._lock:
                     if self._reason is not None:
@@ -180,7 +180,6 @@ class InKernel:
                 finally:
                     with self._lock:
                         self._phase = "returned"
-                    buffer.close()
             outcome = Outcome("succeeded", payload.to_cpu(value))
         except _Abort:
             if self._reason == "timeout":
@@ -197,10 +196,12 @@ class InKernel:
             )
             outcome = Outcome("failed", error=error)
         finally:
-            buffer.close()  # idempotent; also when the run ended before fn was called
-            live.install(previous_buffer)
-            if timer is not None:
-                timer.cancel()
+            with interrupts.deferred():
+                if buffer is not None:
+                    buffer.close()  # every row reaches the state before the outcome
+                    live.install(previous_buffer)
+                if timer is not None:
+                    timer.cancel()
         finish(outcome)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -44,12 +45,7 @@ def notebook_launch(
     pre-warmed worker start off.
     """
     __tracebackhide__ = True  # IPython: show the user's frames, not ours
-    if not callable(fn):
-        raise ValueError(f"fn must be a callable (your training function), got {fn!r}.")
-    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
-        raise ValueError(f"args={args!r} must be a tuple or list of positional arguments.")
-    if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise ValueError(f"kwargs={kwargs!r} must be a dict of keyword arguments.")
+    check_call(fn, args, kwargs)
     plan = make_plan(
         num_workers=num_workers,
         device=device,
@@ -65,6 +61,38 @@ def notebook_launch(
     return launch_plan(fn, tuple(args), dict(kwargs or {}), plan)
 
 
+def check_call(fn: Any, args: Any, kwargs: Any) -> None:
+    """What cannot run on the ranks is refused here, before any process starts."""
+    if not callable(fn):
+        raise ValueError(f"fn must be a callable (your training function), got {fn!r}.")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise ValueError(
+            f"fn={_name(fn)} is an async function: a rank would only get a coroutine from "
+            "calling it. Launch a plain function that runs it: "
+            "def train(): return asyncio.run(your_async_fn())."
+        )
+    if inspect.isgeneratorfunction(fn):
+        raise ValueError(
+            f"fn={_name(fn)} is a generator function: calling it runs none of its body. "
+            "Return a value instead of yielding (e.g. collect the items in a list)."
+        )
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise ValueError(f"args={args!r} must be a tuple or list of positional arguments.")
+    if kwargs is not None:
+        if not isinstance(kwargs, Mapping):
+            raise ValueError(f"kwargs={kwargs!r} must be a dict of keyword arguments.")
+        for key in kwargs:
+            if not isinstance(key, str):
+                raise ValueError(
+                    f"kwargs key {key!r} is not a string: keyword arguments are named by "
+                    "strings (the parameter names of fn)."
+                )
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
 def launch_plan(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], plan: LaunchPlan
 ) -> Any:
@@ -74,10 +102,10 @@ def launch_plan(
     backend, name = _backend_for(fn, args, kwargs, plan)
     run = Run(plan, backend, name)
     remember(run)
-    run.start()
-    if not plan.block:
-        return run
-    try:
+    try:  # an interrupt at any point from here on ends the ranks before it is raised
+        run.start()
+        if not plan.block:
+            return run
         run.wait()
     except KeyboardInterrupt:
         _stop_despite_interrupts(run)

@@ -14,7 +14,6 @@ the cell runs in the kernel's own namespace, exactly like a normal cell.
 from __future__ import annotations
 
 import itertools
-import warnings
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -112,6 +111,11 @@ class DDPMagics(Magics):
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
         assert self.shell is not None
         user_ns = self.shell.user_ns
+        if self.shell.transform_cell(cell) != cell:
+            raise UsageError(
+                "%%ddp: this cell uses IPython syntax (!command, %magic, ?help), which the "
+                "ranks cannot run: they run plain Python. Move that line to a cell of its own."
+            )
         source = "\n" + cell  # line 1 is the %%ddp line: the cell's line numbers hold
         filename = f"<%%ddp cell {next(_counter)}>"
         cells.register_source(filename, f"%%ddp {line}\n" + cell)
@@ -120,13 +124,21 @@ class DDPMagics(Magics):
             out_names: tuple[str, ...] = ()
         elif args.out is not None:
             out_names = tuple(n.strip() for n in args.out.split(",") if n.strip())
+            never = [n for n in out_names if n not in names.writes]
+            if never:
+                cells.warn_in_cell(
+                    f"--out {', '.join(never)}: the cell never assigns "
+                    f"{_them(never)}, so {_it_they(never)} cannot come back.",
+                    filename,
+                    1,
+                )
         else:
             out_names = names.writes
         inputs = {n: user_ns[n] for n in sorted(names.reads) if n in user_ns}
         inputs = _travelling_inputs(inputs, rebound=set(names.writes))
         outcome: CellOutcome = launch_plan(
             run_cell,
-            (source, filename, inputs, out_names, cells.shows_last_value(source)),
+            (source, filename, inputs, out_names, cells.shows_last_value(source), names.deletes),
             {},
             plan,
         )
@@ -134,14 +146,23 @@ class DDPMagics(Magics):
         for name in outcome.deleted:
             user_ns.pop(name, None)
         if outcome.skipped:
-            detail = "; ".join(f"{n} ({why})" for n, why in outcome.skipped.items())
-            warnings.warn(
-                f"%%ddp could not bring back {', '.join(outcome.skipped)}: they cannot be "
-                f"pickled and exist only on the workers, which have ended. {detail}",
-                UserWarning,
-                stacklevel=2,
+            skipped = list(outcome.skipped)
+            detail = "; ".join(f"{n}: {why}" for n, why in outcome.skipped.items())
+            cells.warn_in_cell(
+                f"%%ddp could not bring back {', '.join(skipped)}: {_it_they(skipped)} cannot "
+                f"be pickled, and the ranks that held {_them(skipped)} have ended ({detail}).",
+                filename,
+                cells.binding_line(source, skipped[0]),
             )
         return outcome.shown
+
+
+def _it_they(names: list[str]) -> str:
+    return "it" if len(names) == 1 else "they"
+
+
+def _them(names: list[str]) -> str:
+    return "it" if len(names) == 1 else "them"
 
 
 def _travelling_inputs(inputs: dict[str, Any], rebound: set[str]) -> dict[str, Any]:

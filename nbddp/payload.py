@@ -117,6 +117,39 @@ def dumps(obj: Any, *, what: str, root: str) -> bytes:
         raise SerializationError(what, path, reason) from None
 
 
+class _ExceptionPickler(_TransferPickler):
+    """Exceptions by their state, not by calling their class again: a class whose
+    ``__init__`` takes other arguments than ``args`` (``MyError(message, code)``) cannot be
+    rebuilt by pickle's default, and its instance would not reach the kernel at all."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, BaseException) and _own_init(type(obj)):
+            state = dict(vars(obj)) if hasattr(obj, "__dict__") else None
+            return _rebuild_exception, (type(obj), obj.args, state)
+        return super().reducer_override(obj)
+
+
+def _own_init(cls: type) -> bool:
+    """Whether a class above the builtin exceptions defines ``__init__`` (the builtins pickle
+    themselves well, fields in C slots included)."""
+    return any("__init__" in vars(c) for c in cls.__mro__ if c.__module__ != "builtins")
+
+
+def _rebuild_exception(cls: type, args: tuple[Any, ...], state: dict[str, Any] | None) -> Any:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    if state:
+        error.__dict__.update(state)
+    return error
+
+
+def dumps_exception(exc: BaseException) -> bytes:
+    """A rank's exception for the kernel (its cause and traceback stay behind)."""
+    buffer = io.BytesIO()
+    _ExceptionPickler(buffer).dump(exc)
+    return buffer.getvalue()
+
+
 class Call(NamedTuple):
     """A launch's pickled ``(fn, args, kwargs)``, as it travels to every rank."""
 
@@ -211,7 +244,11 @@ def locate_unpicklable(obj: Any, root: str, error: BaseException) -> tuple[str, 
 
 
 def _reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    try:
+        text = str(exc)
+    except Exception:  # an exception of the user's whose __str__ raises
+        text = ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _type_name(obj: Any) -> str:

@@ -132,6 +132,10 @@ def make_plan(
     if output not in OUTPUTS:
         raise ValueError(f"output={output!r} is not one of {_choices(OUTPUTS)}.")
 
+    for name, value in (("return_all", return_all), ("block", block)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False.")
+
     return LaunchPlan(
         world_size=workers,
         device=resolved_device,
@@ -140,8 +144,8 @@ def make_plan(
         timeout=float(timeout) if timeout is not None else None,
         display=display,  # type: ignore[arg-type]
         output=output,  # type: ignore[arg-type]
-        return_all=bool(return_all),
-        block=bool(block),
+        return_all=return_all,
+        block=block,
         env=_check_env(env, resolved_device),
     )
 

@@ -109,6 +109,8 @@ class _Pipe:
         self.tail = tail
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.at_line_start = True
+        self.held: list[str] = []  # with a prefix: the open line, until it ends
+        self.held_length = 0
         self.open = True
 
 
@@ -154,7 +156,7 @@ class OutputPump:
             except OSError:
                 data = b""
             if not data:
-                self._deliver(pipe, pipe.decoder.decode(b"", final=True))
+                self._deliver(pipe, pipe.decoder.decode(b"", final=True), final=True)
                 pipe.open = False
                 return False
             self._deliver(pipe, pipe.decoder.decode(data))
@@ -178,15 +180,15 @@ class OutputPump:
                 os.close(fd)
         self._pipes.clear()
 
-    def _deliver(self, pipe: _Pipe, text: str) -> None:
-        if not text:
-            return
-        if pipe.tail is not None:
+    def _deliver(self, pipe: _Pipe, text: str, final: bool = False) -> None:
+        if text and pipe.tail is not None:
             pipe.tail.feed(text)
         if pipe.target is None:
             return
         if pipe.prefix:
-            text = self._prefixed(pipe, text)
+            text = self._whole_lines(pipe, text, final)
+        if not text:
+            return
         try:
             pipe.target.write(text)
             pipe.target.flush()
@@ -194,10 +196,24 @@ class OutputPump:
             pipe.target = None
 
     @staticmethod
-    def _prefixed(pipe: _Pipe, text: str) -> str:
-        """``[rank N]`` at the start of every line and of every carriage-return redraw."""
+    def _whole_lines(pipe: _Pipe, text: str, final: bool) -> str:
+        """With prefixes, several ranks share one stream: only whole lines (or whole
+        carriage-return redraws) go out, each with ``[rank N]``, so that lines of different
+        ranks never interleave. An open line is held, up to ``MAX_LINE`` characters."""
+        end = max(text.rfind("\n"), text.rfind("\r"))
+        if end < 0 and not final and pipe.held_length + len(text) <= MAX_LINE:
+            pipe.held.append(text)
+            pipe.held_length += len(text)
+            return ""
+        if end < 0 or final or pipe.held_length + end >= MAX_LINE:
+            end = len(text) - 1  # the end of the stream, or a line too long to hold
+        ready = "".join(pipe.held) + text[: end + 1]
+        rest = text[end + 1 :]
+        pipe.held, pipe.held_length = ([rest], len(rest)) if rest else ([], 0)
+        if not ready:
+            return ""
         prefix = pipe.prefix
-        head = prefix if pipe.at_line_start and text[0] not in "\r\n" else ""
-        body = _LINE_STARTS.sub(lambda m: m.group(1) + prefix, text)
-        pipe.at_line_start = text[-1] in "\r\n"  # the next chunk starts a line
-        return head + body
+        head = prefix if pipe.at_line_start and ready[0] not in "\r\n" else ""
+        body = _LINE_STARTS.sub(lambda m: m.group(1) + prefix, ready)
+        pipe.at_line_start = ready[-1] in "\r\n"
+        return head + body + ("\n" if final and not pipe.at_line_start else "")

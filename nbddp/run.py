@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from . import interrupts
 from .backend import Backend, Outcome, Status
 from .display import LiveDisplay
 from .display.state import RunState
@@ -50,11 +51,12 @@ class Run:
     def start(self) -> None:
         """Show the live view and start the backend; raises if the ranks cannot start."""
         plan = self._plan
-        if plan.display != "none":
-            self._display = LiveDisplay(self._state, plan.display, self.stop, plan.block)
-            # The live widget shows the ranks' output in its panel, not below it.
-            self._state.panel_output = self._display.mode == "widget"
         try:
+            if plan.display != "none":
+                with interrupts.deferred():  # a display thread is closed by _finish, never lost
+                    self._display = LiveDisplay(self._state, plan.display, self.stop, plan.block)
+                # The live widget shows the ranks' output in its panel, not below it.
+                self._state.panel_output = self._display.mode == "widget"
             self._backend.start(self._state, self._finish)
         except KeyboardInterrupt:
             self._finish(Outcome("stopped"))
@@ -108,14 +110,16 @@ class Run:
         return self._done.wait(timeout)
 
     def _finish(self, outcome: Outcome) -> None:
-        with self._finish_lock:
+        with interrupts.deferred(), self._finish_lock:  # whole, or a later wait() would hang
             if self._outcome is not None:
                 return
-            self._state.finish(outcome.status, outcome.error)
-            if self._display is not None:  # the final panel is drawn before anyone is told
-                self._display.close()
-            self._outcome = outcome
-        self._done.set()
+            try:
+                self._state.finish(outcome.status, outcome.error)
+                if self._display is not None:  # the final panel is drawn before anyone is told
+                    self._display.close()
+            finally:
+                self._outcome = outcome
+                self._done.set()
 
     def __repr__(self) -> str:
         return (

@@ -34,13 +34,14 @@ from .pump import OutputPump
 from .rundir import SPEC, RunDir
 from .transport import AuthenticationFailed, Connection, Listener, PendingHandshake
 from .wire import (
+    AllJoined,
     Bars,
     DeviceName,
-    Done,
     Failed,
     Hello,
     Job,
     JobSpec,
+    Joined,
     Result,
     Rows,
     Unsendable,
@@ -78,6 +79,7 @@ class LocalWorkers:
         # what the loop learns
         self._connections: dict[Connection, int | None] = {}
         self._sent_job: set[int] = set()
+        self._joined: set[int] = set()
         self._tracker = outcome.RunTracker(plan.world_size, plan.return_all)
         self._sources: dict[str, tuple[Any, ...]] = {}
 
@@ -287,10 +289,12 @@ class LocalWorkers:
                 events.bars(bars)
             case DeviceName(rank=r, name=name) if r == rank:
                 events.device(name)
+            case Joined(rank=r) if r == rank:
+                self._joined.add(r)
+                if len(self._joined) == self.plan.world_size:
+                    self._broadcast(AllJoined())
             case Result(rank=r, stream=stream, early_exit=early) if r == rank:
                 self._tracker.result(r, stream, buffers, early)
-                if self._tracker.all_returned:
-                    self._dismiss()
             case Failed(rank=r, report=report) if r == rank:
                 self._tracker.raised(r, report)
             case Unsendable(rank=r, path=path, reason=reason) if r == rank:
@@ -318,11 +322,9 @@ class LocalWorkers:
             assert self._events is not None
             self._events.started()
 
-    def _dismiss(self) -> None:
-        """Every rank reported: they may exit now (a rank that finished first waited, since
-        rank 0 hosts the rendezvous store a slower peer may still be using)."""
+    def _broadcast(self, message: Any) -> None:
         for conn in list(self._connections):
-            self._send(conn, Done())
+            self._send(conn, message)
 
     def _send(self, conn: Connection, message: Any, timeout: float = _JOB_SEND_TIMEOUT) -> None:
         """Send on a connection the loop reads without blocking; drop it if that fails."""

@@ -22,6 +22,7 @@ import array
 import contextlib
 import hashlib
 import hmac
+import mmap
 import os
 import pickle
 import secrets
@@ -37,6 +38,7 @@ _HEAD = struct.Struct("!IIQ")  # buffers, fds, pickle length
 _SIZE = struct.Struct("!Q")
 _MAX_FDS = 4
 _PIECE = 1 << 20  # bytes read per recv into a buffer
+_MAPPED = 1 << 20  # buffers this large arrive into a mapping of their own
 HANDSHAKE_TIMEOUT = 10.0
 
 
@@ -48,6 +50,14 @@ class Frame(NamedTuple):
     message: Any
     buffers: list[Any]  # each a writable buffer filled by recv_into
     fds: list[int]
+
+
+def allocate_buffer(size: int) -> bytearray | mmap.mmap:
+    """Memory for an arriving buffer. A large one is an anonymous mapping: its pages are
+    zero and untouched until the socket fills them, so nothing is written twice and the
+    reading thread holds the GIL for no page-zeroing memset (which would delay even the
+    main thread's KeyboardInterrupt)."""
+    return bytearray(size) if size < _MAPPED else mmap.mmap(-1, size)
 
 
 def _proof(key: bytes, role: bytes, nonce: bytes) -> bytes:
@@ -111,11 +121,12 @@ class Connection:
 class FrameReader:
     """Parses frames from a socket a piece at a time; buffers land in their destination.
 
-    ``allocate(size)`` makes the destination of each out-of-band buffer (default: a
-    bytearray, which becomes the tensor's memory when the value is unpickled).
+    ``allocate(size)`` makes the destination of each out-of-band buffer (default:
+    :func:`allocate_buffer`, whose memory becomes the tensor's when the value is unpickled).
     """
 
-    def __init__(self, allocate: Callable[[int], Any] = bytearray) -> None:
+    def __init__(self, allocate: Callable[[int], Any] | None = None) -> None:
+        allocate = allocate or allocate_buffer
         self._allocate = allocate
         self._reset()
 

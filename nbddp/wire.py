@@ -5,6 +5,7 @@ Worker -> kernel, in this order on each rank's connection:
 
     Hello(rank)                       first frame, right after the handshake
     DeviceName(rank, name)            rank 0's device, for the panel's header
+    Joined(rank)                      the rank is in the process group
     Rows(rank, first, blocks)         rows first, first + 1, ... of ``nbddp.log``; row k of
                                       every rank is averaged by the kernel
     Bars(rank, bars)                  a snapshot of rank 0's progress bars
@@ -19,9 +20,11 @@ Kernel -> worker:
     Job(call, sources, shared)        the pickled (fn, args, kwargs), the notebook's cell
                                       sources for tracebacks, and the layout of the shared
                                       memory segment whose descriptor travels with the frame
-    Done()                            every rank has reported: exit now. A rank that finished
-                                      waits for this, so that none leaves while a peer still
-                                      needs it (rank 0 hosts the rendezvous store)
+    AllJoined()                       every rank is in the process group. A rank that finished
+                                      waits for this before it exits, so that none leaves
+                                      while a peer still needs it to join (rank 0 hosts the
+                                      rendezvous store); after it, a rank that leaves early
+                                      is seen by its peers, and reported as the root cause
 
 Messages are NamedTuples: pickled in a few bytes, immutable, and matched by class in the
 supervisor (``match message: case Rows(rank, first, blocks): ...``).
@@ -112,7 +115,11 @@ class Job(NamedTuple):
     shared: SharedLayout | None
 
 
-class Done(NamedTuple):
+class Joined(NamedTuple):
+    rank: int
+
+
+class AllJoined(NamedTuple):
     pass
 
 
@@ -143,7 +150,7 @@ class JobSpec:
         return cls(**fields)
 
 
-Message = Hello | DeviceName | Rows | Bars | Result | Failed | Unsendable | Job | Done
+Message = Hello | DeviceName | Joined | Rows | Bars | Result | Failed | Unsendable | Job | AllJoined
 
 
 # -- the kernel and its pre-warmed helper (forkserver.py, worker/forkserver.py) ---------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -182,3 +183,151 @@ def test_twenty_launches_do_not_leak_fds_threads_or_processes():
         assert nbddp.notebook_launch(abs, (-3,), **TWO_CPU) == 3
     time.sleep(0.2)
     assert _resources() == baseline
+
+
+# -- what users cause (issue: reliability) -------------------------------------------------
+
+
+class BrokenStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr either")
+
+
+def raises_broken_str() -> None:
+    if nbddp.rank() == 1:
+        raise BrokenStr()
+    time.sleep(30)
+
+
+def test_an_exception_whose_str_raises_is_still_reported():
+    with pytest.raises(WorkerError) as info:
+        nbddp.notebook_launch(raises_broken_str, **TWO_CPU)
+    error = info.value
+    assert (error.rank, error.exc_type) == (1, "BrokenStr")
+    assert "str() of this BrokenStr raised RuntimeError" in error.exc_message
+    assert "raise BrokenStr()" in error.remote_traceback
+
+
+class NotebookError(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def raises_on_rank_one(kind: str) -> None:
+    if nbddp.rank() == 1:
+        if kind == "value":
+            raise ValueError("bad shape")
+        if kind == "notebook":
+            raise NotebookError("custom", code=42)
+        if kind == "oserror":
+            raise FileNotFoundError(2, "no such file", "/data/x")
+        if kind == "interrupt":
+            raise KeyboardInterrupt
+    time.sleep(30)
+
+
+def test_the_ranks_exception_type_is_catchable_in_the_notebook():
+    with pytest.raises(ValueError, match="bad shape") as info:
+        nbddp.notebook_launch(raises_on_rank_one, ("value",), **TWO_CPU)
+    error = info.value
+    assert isinstance(error, WorkerError) and type(error).__name__ == "WorkerError"
+    assert error.rank == 1 and "raise ValueError" in error.remote_traceback
+    assert type(error.__cause__) is ValueError
+    with pytest.raises(NotebookError) as info:
+        nbddp.notebook_launch(raises_on_rank_one, ("notebook",), **TWO_CPU)
+    assert info.value.code == 42 and isinstance(info.value, WorkerError)
+
+
+@pytest.mark.parametrize("kind", ["oserror", "interrupt"])
+def test_types_that_cannot_be_combined_stay_a_plain_worker_error(kind):
+    with pytest.raises(WorkerError) as info:
+        nbddp.notebook_launch(raises_on_rank_one, (kind,), **TWO_CPU)
+    assert type(info.value) is WorkerError  # OSError's layout; KeyboardInterrupt is no Exception
+    assert info.value.exc_type in ("FileNotFoundError", "KeyboardInterrupt")
+
+
+def exits_early_on_rank_one() -> None:
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    for step in range(1000):
+        if nbddp.rank() == 1 and step == 3:
+            sys.exit(0)
+        dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_that_ends_early_with_success_is_the_root_cause():
+    with pytest.raises(WorkerError) as info:
+        nbddp.notebook_launch(exits_early_on_rank_one, **TWO_CPU, timeout=60)
+    assert info.value.rank == 1
+    assert str(info.value).startswith("rank 1 called sys.exit(0) while the other ranks were")
+
+
+def starts_escaping_children(fail: bool) -> list[int]:
+    import multiprocessing
+    import subprocess
+    import sys
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    session = subprocess.Popen(sleeper, start_new_session=True)  # holds our stdout/stderr too
+    if os.fork() == 0:  # a forked child that leaves the session, without exec
+        os.setsid()
+        time.sleep(60)
+        os._exit(0)
+    process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    process.start()  # a non-daemon child: interpreter shutdown would join it
+    pids = [session.pid, process.pid]
+    if fail:
+        raise RuntimeError(f"failing with children {pids}")
+    return pids
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_children_that_left_the_session_end_with_the_run_at_once(fail):
+    started = time.monotonic()
+    if fail:
+        with pytest.raises(WorkerError, match="failing with children"):
+            nbddp.notebook_launch(starts_escaping_children, (True,), **TWO_CPU)
+    else:
+        pids = nbddp.notebook_launch(starts_escaping_children, (False,), **TWO_CPU)
+        assert len(pids) == 2
+    assert time.monotonic() - started < 15  # no grace for pipes or non-daemon children
+    # the autouse no_leftovers fixture fails the test if any of them is still alive
+
+
+def test_a_silent_client_on_the_runs_socket_does_not_hold_up_the_launch():
+    import glob
+    import socket
+    import tempfile
+
+    stop = threading.Event()
+    silent: list[socket.socket] = []
+
+    def lurk() -> None:  # connects to every run's socket it sees and says nothing
+        while not stop.is_set():
+            pattern = os.path.join(tempfile.gettempdir(), f"nbddp-{os.getpid()}-*", "channel.sock")
+            for path in glob.glob(pattern):
+                with contextlib.suppress(OSError):
+                    sock = socket.socket(socket.AF_UNIX)
+                    sock.connect(path)
+                    silent.append(sock)
+            time.sleep(0.001)
+
+    lurker = threading.Thread(target=lurk, daemon=True)
+    lurker.start()
+    try:
+        started = time.monotonic()
+        assert nbddp.notebook_launch(abs, (-5,), **TWO_CPU) == 5
+        assert time.monotonic() - started < 20
+    finally:
+        stop.set()
+        lurker.join()
+        for sock in silent:
+            sock.close()
+    assert silent, "the lurker never got in: the test proves nothing"

@@ -66,10 +66,34 @@ def test_an_input_that_cannot_travel_is_named(magic_kernel):
 
 
 def test_an_output_that_cannot_travel_back_is_skipped_with_a_warning(magic_kernel):
-    out, reply = magic_kernel.run(f"{TWO}\nlock_made = threading.Lock()\nkept = 5")
+    out, reply = magic_kernel.run(f"{TWO}\nkept = 5\nlock_made = threading.Lock()")
     assert reply["status"] == "ok", out
-    assert "could not bring back lock_made" in out
+    # shown against the user's cell and line, in words for one name
+    assert (
+        "<%%ddp cell" in out and ":3: NbddpWarning: %%ddp could not bring back lock_made: it" in out
+    )
+    assert "lock_made = threading.Lock()" in out and "nbddp/magic.py" not in out
     assert magic_kernel.run("print(kept, 'lock_made' in dir())")[0].strip() == "5 False"
+
+
+def test_out_names_the_cell_never_assigns_are_warned_about_before_the_run(magic_kernel):
+    out, reply = magic_kernel.run(f"{TWO} --out made,never_assigned,nor_this\nmade = 1")
+    assert reply["status"] == "ok", out
+    assert "--out never_assigned, nor_this: the cell never assigns them" in out
+    assert magic_kernel.run("print(made)")[0].strip() == "1"
+
+
+def test_a_name_left_unbound_by_a_branch_is_kept_and_a_deleted_one_goes(magic_kernel):
+    k = magic_kernel
+    k.run("maybe, doomed = 'notebook value', 'bye'")
+    out, reply = k.run(f"{TWO}\nif nbddp.world_size() > 99:\n    maybe = 'ranks'\ndel doomed")
+    assert reply["status"] == "ok", out
+    assert k.run("print(maybe, 'doomed' in dir())")[0].strip() == "notebook value False"
+
+
+def test_ipython_syntax_in_a_ddp_cell_is_a_usage_error(magic_kernel):
+    out, reply = magic_kernel.run(f"{TWO}\n!echo hi\nx = 1")
+    assert reply["ename"] == "UsageError" and "IPython syntax" in out
 
 
 def test_one_worker_runs_in_the_kernel_namespace_like_a_normal_cell(magic_kernel):

@@ -28,6 +28,17 @@ def _noop() -> None:
         ({"output": "rank1"}, "'rank0'"),
         ({"env": {"SEED": 1}}, "str(value)"),
         ({"env": ["A=1"]}, "mapping"),
+        ({"env": {"WORLD_SIZE": "3"}}, "set by num_workers="),
+        ({"env": {"RANK": "5"}}, "set by num_workers="),
+        ({"env": {"LOCAL_WORLD_SIZE": "1"}}, "set by num_workers="),
+        ({"env": {"MASTER_PORT": "29500"}}, "a free port"),
+        ({"env": {"MASTER_ADDR": "10.0.0.1"}}, "drop it from env="),
+        ({"env": {"GROUP_RANK": "1"}}, "set by num_workers="),
+        ({"env": {"ROLE_NAME": "trainer"}}, "drop it from env="),
+        ({"env": {"TORCHELASTIC_RUN_ID": "x"}}, "Lightning and Accelerate read it"),
+        ({"block": "no"}, "must be True or False"),
+        ({"return_all": "yes"}, "must be True or False"),
+        ({"block": 0}, "must be True or False"),
     ],
 )
 def test_bad_option_is_a_value_error_with_the_fix(options, fix):
@@ -45,6 +56,27 @@ def test_notebook_launch_rejects_before_starting_anything():
         nbddp.notebook_launch(_noop, args="abc")
     with pytest.raises(ValueError, match="dict"):
         nbddp.notebook_launch(_noop, kwargs=[1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="key 1 is not a string"):
+        nbddp.notebook_launch(_noop, kwargs={1: "a"}, num_workers=2, device="cpu")
+    with pytest.raises(ValueError, match="generator function: calling it runs none"):
+        nbddp.notebook_launch(_generator, num_workers=2, device="cpu")
+    with pytest.raises(ValueError, match=r"async function.*asyncio\.run"):
+        nbddp.notebook_launch(_coroutine, num_workers=2, device="cpu")
+
+
+def _generator():
+    yield 1
+
+
+async def _coroutine():
+    return 1
+
+
+def test_cuda_visible_devices_is_refused_on_cuda_only():
+    with pytest.raises(ValueError, match="gpus="):
+        make_plan(env={"CUDA_VISIBLE_DEVICES": "1"}, gpu_count=2)
+    plan = make_plan(num_workers=2, device="cpu", env={"CUDA_VISIBLE_DEVICES": ""}, gpu_count=2)
+    assert plan.env == {"CUDA_VISIBLE_DEVICES": ""}  # hiding GPUs from CPU ranks is fine
 
 
 def test_auto_resolves_to_one_in_kernel_rank_without_gpus():

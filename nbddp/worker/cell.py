@@ -26,7 +26,12 @@ class CellOutcome:
 
 
 def run_cell(
-    source: str, filename: str, inputs: dict[str, Any], out_names: tuple[str, ...], show_last: bool
+    source: str,
+    filename: str,
+    inputs: dict[str, Any],
+    out_names: tuple[str, ...],
+    show_last: bool,
+    deletes: frozenset[str] = frozenset(),
 ) -> CellOutcome | None:
     """Run on every rank; rank 0 returns what goes back into the notebook namespace."""
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **inputs}
@@ -40,8 +45,9 @@ def run_cell(
         return None
     outcome = CellOutcome()
     for name in out_names:
-        if name not in namespace:
-            outcome.deleted.append(name)
+        if name not in namespace:  # deleted by the cell, or never bound (a branch not taken)
+            if name in deletes:
+                outcome.deleted.append(name)
             continue
         failure = payload.check_picklable(namespace[name])
         if failure is None:

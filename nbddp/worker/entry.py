@@ -26,15 +26,16 @@ from ..processes import become_subreaper, end_descendants
 from ..rundir import SPEC
 from ..transport import Connection
 from ..wire import (
+    AllJoined,
     Bars,
     BarSnapshot,
     Block,
     DeviceName,
-    Done,
     Failed,
     Hello,
     Job,
     JobSpec,
+    Joined,
     Result,
     Rows,
     Unsendable,
@@ -53,12 +54,12 @@ def main(directory: str) -> int:
     frame = conn.recv()
     if not isinstance(frame.message, Job):
         return 1
-    done = threading.Event()
-    threading.Thread(target=_listen, args=(conn, done), daemon=True).start()
+    joined = threading.Event()
+    threading.Thread(target=_listen, args=(conn, joined), daemon=True).start()
     _adopt_kernel_paths(spec)
     code = _run(spec, frame.message, frame.fds, rank, conn)
     if code == 0:
-        done.wait()  # until every rank reported: rank 0's store may still be needed
+        joined.wait()  # a peer still joining needs us (rank 0 hosts the rendezvous store)
     end_descendants()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
@@ -80,17 +81,16 @@ class _ChannelSink:
         self._conn.send(Bars(self._rank, bars))
 
 
-def _listen(conn: Connection, done: threading.Event) -> None:
-    """The kernel's word after the job: ``Done``; its end closing means it is gone, and so
-    is this rank, at once, with its whole process group."""
+def _listen(conn: Connection, joined: threading.Event) -> None:
+    """The kernel's word after the job: ``AllJoined``. Its end closing means it is gone, and
+    so is this rank, at once, with its whole process group."""
     try:
         while True:
-            if isinstance(conn.recv().message, Done):
-                done.set()
+            if isinstance(conn.recv().message, AllJoined):
+                joined.set()
     except (EOFError, OSError):
         pass
-    if not done.is_set():  # after Done the rank is on its way out by itself
-        _kill_own_group()
+    _kill_own_group()
 
 
 def _kill_own_group() -> None:
@@ -137,6 +137,7 @@ def _run(spec: JobSpec, job: Job, fds: list[int], rank: int, conn: Connection) -
             dist.init_process_group(
                 backend=spec.backend, init_method="env://", rank=rank, world_size=world_size
             )
+            conn.send(Joined(rank))
             buffer = live.LiveBuffer(_ChannelSink(conn, rank))
             live.install(buffer)
             try:

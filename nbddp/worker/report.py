@@ -19,7 +19,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 
 def error_report(exc: BaseException) -> ErrorReport:
     try:
-        original: bytes | None = payload.dumps(exc, what="the exception", root="exception")
+        original: bytes | None = payload.dumps_exception(exc)
     except BaseException:
         original = None  # the kernel still gets its type name and traceback
     cls = type(exc)
