@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import signal
+import warnings
 from typing import Any
 
 __all__ = [
@@ -216,6 +217,20 @@ def import_class(qualified: str) -> type | None:
         if found is None:
             return None
     return found if isinstance(found, type) else None
+
+
+def warn_user(message: str, category: type[Warning] = NbddpWarning) -> None:
+    """Warn, pointing at the first frame outside nbddp: the user's call (or cell)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(1)
+    level = 2  # stacklevel 1 is this function, 2 its caller (the frame above)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def describe_exit(exitcode: int | None) -> str:

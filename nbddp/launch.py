@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import payload
 from .backend import Backend
-from .errors import NbddpWarning
+from .call import dumps_call
+from .errors import warn_user
 from .in_kernel import InKernel, device_name
 from .plan import LaunchPlan, make_plan
 from .run import Run, remember
@@ -39,6 +38,9 @@ def notebook_launch(
     One resolved worker runs ``fn`` in the kernel itself. A failure on any rank ends every
     rank and raises :class:`nbddp.WorkerError` here; a kernel interrupt ends every rank and
     raises ``KeyboardInterrupt``. See API.md for each option.
+
+    Tensors and arrays that ``fn`` captures are not copied per rank: their bytes sit once in
+    shared memory that every rank maps copy-on-write (a rank's writes stay its own).
 
     ``gpus=[0, 0]`` with ``backend="gloo"`` puts two ranks on one GPU: a testing aid for
     single-GPU machines (NCCL refuses it). ``NBDDP_PREWARM=0`` in the environment turns the
@@ -94,12 +96,16 @@ def _name(fn: Any) -> str:
 
 
 def launch_plan(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], plan: LaunchPlan
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    plan: LaunchPlan,
+    names: Mapping[str, Any] | None = None,
 ) -> Any:
     """Run a resolved plan with the backend it needs; wait for it unless ``plan.block`` is
-    False."""
+    False. ``names``: what the call carries, by the names the user knows (``%%ddp``)."""
     __tracebackhide__ = True  # IPython: show the user's frames, not ours
-    backend, name = _backend_for(fn, args, kwargs, plan)
+    backend, name = _backend_for(fn, args, kwargs, plan, names)
     run = Run(plan, backend, name)
     remember(run)
     try:  # an interrupt at any point from here on ends the ranks before it is raised
@@ -114,12 +120,16 @@ def launch_plan(
 
 
 def _backend_for(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], plan: LaunchPlan
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    plan: LaunchPlan,
+    names: Mapping[str, Any] | None = None,
 ) -> tuple[Backend, str]:
     """The backend and the device's name for the header; raises before anything starts."""
     if plan.in_kernel:
         return InKernel(plan, fn, args, kwargs), device_name(plan)
-    call = payload.dumps_call(fn, args, kwargs)  # SerializationError before any process
+    call = dumps_call(fn, args, kwargs, names)  # SerializationError before any process
     _warn_if_kernel_holds_gpus(plan)
     return LocalWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
 
@@ -146,10 +156,8 @@ def _warn_if_kernel_holds_gpus(plan: LaunchPlan) -> None:
     for index in sorted(set(plan.gpus)):
         reserved = torch.cuda.memory_reserved(index)
         held.append(f"GPU {index} ({reserved / 2**30:.2f} GiB reserved by PyTorch + its context)")
-    warnings.warn(
+    warn_user(
         "this kernel holds a CUDA context on " + ", ".join(held) + ", which the workers also "
         "use: they have that much less memory. If a rank runs out of memory, free it with "
-        "`del` and torch.cuda.empty_cache(), or restart the kernel before launching.",
-        NbddpWarning,
-        stacklevel=4,
+        "`del` and torch.cuda.empty_cache(), or restart the kernel before launching."
     )

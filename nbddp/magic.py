@@ -22,6 +22,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import cell as cells
 from . import payload
+from .culprit import locate_unpicklable
 from .errors import NbddpError, SerializationError, WorkerError
 from .launch import launch_plan
 from .plan import BACKENDS, DEVICE_OPTIONS, DISPLAYS, OUTPUTS, LaunchPlan, make_plan
@@ -141,6 +142,7 @@ class DDPMagics(Magics):
             (source, filename, inputs, out_names, cells.shows_last_value(source), names.deletes),
             {},
             plan,
+            names=inputs,
         )
         user_ns.update(outcome.values)
         for name in outcome.deleted:
@@ -174,7 +176,7 @@ def _travelling_inputs(inputs: dict[str, Any], rebound: set[str]) -> dict[str, A
         if failure is None:
             kept[name] = value
         elif name not in rebound:
-            path, reason = payload.locate_unpicklable(value, name, failure)
+            path, reason = locate_unpicklable(value, name, failure, payload.check_picklable)
             raise SerializationError(
                 f"the %%ddp cell's input {name!r} to the workers", path, reason
             )

@@ -25,6 +25,7 @@ from typing import Any
 
 from . import interrupts, outcome, payload
 from .backend import Finish, Outcome, RunEvents
+from .call import Call
 from .environment import device_indices, free_port, single_node, worker_env
 from .errors import LaunchTimeout, NbddpError
 from .forkserver import default_starter
@@ -58,11 +59,9 @@ _JOB_SEND_TIMEOUT = 60.0
 class LocalWorkers:
     """One launch's processes from start to teardown."""
 
-    def __init__(
-        self, plan: LaunchPlan, call: payload.Call, starter: Starter | None = None
-    ) -> None:
+    def __init__(self, plan: LaunchPlan, call: Call, starter: Starter | None = None) -> None:
         self.plan = plan
-        self._call: payload.Call | None = call
+        self._call: Call | None = call
         self._starter = starter
         self._events: RunEvents | None = None
         self._finish: Finish | None = None
@@ -313,12 +312,13 @@ class LocalWorkers:
             self._forget(conn)
             return
         self._connections[conn] = rank
-        self._send(conn, Job(self._call.stream, self._sources, None))
+        call = self._call
+        self._send(conn, Job(call.stream, self._sources, call.layout), fds=call.fds)
         if conn not in self._connections:
             return
         self._sent_job.add(rank)
         if len(self._sent_job) == self.plan.world_size:
-            self._call = None  # every rank has it: the kernel keeps no copy
+            self._drop_call()  # every rank has it: the kernel keeps no copy
             assert self._events is not None
             self._events.started()
 
@@ -326,11 +326,16 @@ class LocalWorkers:
         for conn in list(self._connections):
             self._send(conn, message)
 
-    def _send(self, conn: Connection, message: Any, timeout: float = _JOB_SEND_TIMEOUT) -> None:
+    def _drop_call(self) -> None:
+        if self._call is not None:
+            self._call.close()  # the ranks' mappings keep the shared pages as long as needed
+            self._call = None
+
+    def _send(self, conn: Connection, message: Any, fds: list[int] | None = None) -> None:
         """Send on a connection the loop reads without blocking; drop it if that fails."""
-        conn.sock.settimeout(timeout)
+        conn.sock.settimeout(_JOB_SEND_TIMEOUT)
         try:
-            conn.send(message)
+            conn.send(message, fds=fds or ())
         except OSError:
             self._forget(conn)
         else:
@@ -366,4 +371,4 @@ class LocalWorkers:
                 os.close(fd)
         if self._dir is not None:
             self._dir.remove()
-        self._call = None
+        self._drop_call()

@@ -55,6 +55,35 @@ def test_kernel_holding_gpu_memory_is_warned_about_once():
     del held
 
 
+HELD: torch.Tensor | None = None
+
+
+def where_is_the_capture() -> tuple[str, str, float]:
+    assert HELD is not None
+    return str(HELD.device), str(nbddp.device()), float(HELD.sum())
+
+
+def test_a_captured_cuda_tensor_arrives_on_each_ranks_own_device():
+    import sys
+
+    import cloudpickle
+
+    global HELD
+    HELD = torch.ones(1000, device="cuda:0")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # as a notebook cell's code
+    try:
+        gpus = list(range(torch.cuda.device_count())) if torch.cuda.device_count() > 1 else [0, 0]
+        backend = "nccl" if len(set(gpus)) == len(gpus) else "gloo"
+        ranks = nbddp.notebook_launch(
+            where_is_the_capture, gpus=gpus, backend=backend, return_all=True, display="none"
+        )
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        HELD = None
+    for held_on, own, total in ranks:
+        assert held_on == own and own.startswith("cuda") and total == 1000.0
+
+
 def logs_cuda_losses() -> None:
     for i in range(300):
         nbddp.log(loss=torch.tensor(float(i), device=nbddp.device()), step_size=0.5)

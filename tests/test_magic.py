@@ -118,3 +118,15 @@ def test_misuse_is_a_usage_error(magic_kernel):
         assert reply["ename"] == "UsageError", (line, out)
     out, _ = magic_kernel.run("print(get_ipython().find_cell_magic('ddp').__doc__)")
     assert "--num-workers" in out and "--no-out" in out
+
+
+def test_large_inputs_reach_the_ranks_through_shared_memory(magic_kernel):
+    k = magic_kernel
+    k.run("import numpy as np\nbig_input = np.ones(5_000_000)")
+    out, reply = k.run(
+        f"{TWO}\nwith open('/proc/self/maps') as maps:\n"
+        "    shared = 'memfd:nbddp-data' in maps.read()\n"
+        "total = float(big_input.sum())"
+    )
+    assert reply["status"] == "ok", out
+    assert k.run("print(shared, total)")[0].strip() == "True 5000000.0"

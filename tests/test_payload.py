@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from nbddp import SerializationError
-from nbddp.payload import dumps, dumps_call, loads, to_cpu
+from nbddp.call import dumps_call
+from nbddp.payload import dumps, loads, to_cpu
 
 LOCK = threading.Lock()
 

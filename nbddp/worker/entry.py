@@ -21,6 +21,7 @@ import threading
 from typing import Any
 
 from .. import payload, transport
+from ..call import loads_call
 from ..errors import SerializationError
 from ..processes import become_subreaper, end_descendants
 from ..rundir import SPEC
@@ -51,13 +52,8 @@ def main(directory: str) -> int:
     rank = int(os.environ["RANK"])
     conn = transport.connect(spec.address, bytes.fromhex(spec.authkey))
     conn.send(Hello(rank))
-    frame = conn.recv()
-    if not isinstance(frame.message, Job):
-        return 1
     joined = threading.Event()
-    threading.Thread(target=_listen, args=(conn, joined), daemon=True).start()
-    _adopt_kernel_paths(spec)
-    code = _run(spec, frame.message, frame.fds, rank, conn)
+    code = _run(spec, rank, conn, joined)
     if code == 0:
         joined.wait()  # a peer still joining needs us (rank 0 hosts the rendezvous store)
     end_descendants()
@@ -107,12 +103,20 @@ def _adopt_kernel_paths(spec: JobSpec) -> None:
     os.chdir(spec.cwd)
 
 
-def _run(spec: JobSpec, job: Job, fds: list[int], rank: int, conn: Connection) -> int:
+def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) -> int:
+    """Receive the job, join the process group, call fn and report; the exit code."""
     import torch
     import torch.distributed as dist
 
     from .context import Context, installed
 
+    frame = conn.recv()
+    job, fds = frame.message, frame.fds
+    del frame  # the job is held by ``job`` alone, and dropped before fn runs
+    if not isinstance(job, Job):
+        return 1
+    threading.Thread(target=_listen, args=(conn, joined), daemon=True).start()
+    _adopt_kernel_paths(spec)
     early_exit = False
     try:
         payload.install_sources(job.sources)
@@ -132,7 +136,7 @@ def _run(spec: JobSpec, job: Job, fds: list[int], rank: int, conn: Connection) -
             device=device,
         )
         with installed(context):
-            fn, args, kwargs = payload.loads_call(job.call, job.shared, fds)
+            fn, args, kwargs = loads_call(job.call, job.shared, fds)
             del job  # the pickled call is not kept while fn runs
             dist.init_process_group(
                 backend=spec.backend, init_method="env://", rank=rank, world_size=world_size
