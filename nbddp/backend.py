@@ -40,6 +40,9 @@ class RunEvents(Protocol):
     def rows(self, rank: int, first: int, blocks: list[Block]) -> None:
         """Rows ``first``, ``first + 1``, ... of one rank's ``nbddp.log`` calls."""
 
+    def main_rows(self, rows: list[tuple[int | None, dict[str, float]]]) -> None:
+        """Rows only rank 0 logs (a library's tracker), taken as they are."""
+
     def bars(self, bars: list[BarSnapshot]) -> None:
         """A snapshot of rank 0's progress bars."""
 

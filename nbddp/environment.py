@@ -123,6 +123,23 @@ def device_indices(gpus: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(unique.index(g) for g in gpus)
 
 
+def notebook_logging() -> tuple[int, str, str | None] | None:
+    """The notebook's root logger, as a rank can copy it (level, format, date format); None
+    when the notebook configured none. Handlers themselves cannot travel, their format can."""
+    import logging
+
+    root = logging.getLogger()
+    if not root.handlers:
+        return None
+    formatter = root.handlers[0].formatter
+    if formatter is None:
+        return root.level, logging.BASIC_FORMAT, None
+    style = getattr(formatter, "_style", None)
+    if style is not None and not isinstance(style, logging.PercentStyle):
+        return root.level, logging.BASIC_FORMAT, formatter.datefmt  # {}- and $-styles: plain
+    return root.level, getattr(formatter, "_fmt", None) or logging.BASIC_FORMAT, formatter.datefmt
+
+
 def check_user_env(env: Mapping[str, str], device: str) -> None:
     """Refuse ``env=`` entries that would contradict the launch (the run would hang in the
     rendezvous until a timeout), naming the option that sets each instead."""

@@ -96,6 +96,9 @@ class _EventsSink:
     def rows(self, first: int, blocks: list[Any]) -> None:
         self._events.rows(0, first, blocks)
 
+    def main_rows(self, rows: list[tuple[int | None, dict[str, float]]]) -> None:
+        self._events.main_rows(rows)
+
     def bars(self, bars: list[Any]) -> None:
         self._events.bars(bars)
 

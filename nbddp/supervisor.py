@@ -26,7 +26,13 @@ from typing import Any
 from . import interrupts, outcome, payload
 from .backend import Finish, Outcome, RunEvents
 from .call import Call
-from .environment import device_indices, free_port, single_node, worker_env
+from .environment import (
+    device_indices,
+    free_port,
+    notebook_logging,
+    single_node,
+    worker_env,
+)
 from .errors import LaunchTimeout, NbddpError
 from .forkserver import default_starter
 from .plan import LaunchPlan
@@ -43,6 +49,7 @@ from .wire import (
     Job,
     JobSpec,
     Joined,
+    MainRows,
     Result,
     Rows,
     Unsendable,
@@ -117,6 +124,8 @@ class LocalWorkers:
                 device_index=device_indices(plan.gpus),
                 backend=plan.backend,
                 return_all=plan.return_all,
+                output=plan.output,
+                logging=notebook_logging(),
             )
             self._dir.write(SPEC, spec.to_json())
             argv = [self._dir.write_script()]
@@ -284,6 +293,8 @@ class LocalWorkers:
                 self._welcome(conn, hello_rank)
             case Rows(rank=r, first=first, blocks=blocks) if r == rank:
                 events.rows(r, first, blocks)
+            case MainRows(rank=0, rows=rows) if rank == 0:
+                events.main_rows(rows)
             case Bars(rank=r, bars=bars) if r == rank:
                 events.bars(bars)
             case DeviceName(rank=r, name=name) if r == rank:

@@ -8,6 +8,9 @@ Worker -> kernel, in this order on each rank's connection:
     Joined(rank)                      the rank is in the process group
     Rows(rank, first, blocks)         rows first, first + 1, ... of ``nbddp.log``; row k of
                                       every rank is averaged by the kernel
+    MainRows(rank, rows)              rows only rank 0 logs (a library's tracker that runs on
+                                      the main process), each with the library's step; taken
+                                      as they are, not averaged
     Bars(rank, bars)                  a snapshot of rank 0's progress bars
     Result(rank, stream, early_exit)  fn returned (its value pickled for rank 0 or
                                       ``return_all``; the tensors' bytes follow as the frame's
@@ -80,6 +83,11 @@ class Rows(NamedTuple):
     blocks: list[Block]
 
 
+class MainRows(NamedTuple):
+    rank: int
+    rows: list[tuple[int | None, dict[str, float]]]  # (step or None, values)
+
+
 class Bars(NamedTuple):
     rank: int
     bars: list[BarSnapshot]
@@ -138,6 +146,8 @@ class JobSpec:
     device_index: tuple[int, ...]  # each rank's cuda index inside its process
     backend: str
     return_all: bool
+    output: str = "rank0"  # whose output is shown: other ranks' progress bars stay silent
+    logging: tuple[int, str, str | None] | None = None  # the notebook's level, format, datefmt
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -147,10 +157,24 @@ class JobSpec:
         fields = json.loads(data)
         fields["sys_path"] = tuple(fields["sys_path"])
         fields["device_index"] = tuple(fields["device_index"])
+        if fields.get("logging") is not None:
+            fields["logging"] = tuple(fields["logging"])
         return cls(**fields)
 
 
-Message = Hello | DeviceName | Joined | Rows | Bars | Result | Failed | Unsendable | Job | AllJoined
+Message = (
+    Hello
+    | DeviceName
+    | Joined
+    | Rows
+    | MainRows
+    | Bars
+    | Result
+    | Failed
+    | Unsendable
+    | Job
+    | AllJoined
+)
 
 
 # -- the kernel and its pre-warmed helper (forkserver.py, worker/forkserver.py) ---------------

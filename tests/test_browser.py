@@ -1,9 +1,10 @@
-"""What a person sees: JupyterLab on loopback, the notebook opened in headless Chromium, a
-~10 s run executed, the live panel read from the page's DOM while it runs.
+"""What a person sees: JupyterLab on loopback, a notebook opened in headless Chromium, a run of
+~10 s executed, the live panel read from the page's DOM while it runs: a loop with
+``nbddp.progress``/``nbddp.log``, and an unchanged Hugging Face ``Trainer``.
 
 Needs Debian's chromium (``apt-get install chromium``; ``.ci/run`` installs it), Playwright and
 JupyterLab (the ``dev`` extra). Without them the test is skipped with the reason, never passed.
-Set ``NBDDP_SCREENSHOT=path.png`` to keep the mid-run screenshot (the README's picture).
+Set ``NBDDP_SCREENSHOT=folder`` to keep the mid-run screenshots (the README's pictures).
 """
 
 from __future__ import annotations
@@ -38,6 +39,38 @@ def train(steps=100):
 
 nbddp.notebook_launch(train, num_workers=2, device="cpu")
 """
+HF_CELL = """\
+import time
+import nbddp
+import torch
+from transformers import (BertConfig, BertForSequenceClassification, Trainer,
+                          TrainerCallback, TrainingArguments)
+
+class Reviews(torch.utils.data.Dataset):  # tokenised text, made up here: no downloads
+    def __len__(self):
+        return 1600
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "attention_mask": torch.ones(32, dtype=torch.long),
+                "labels": int(ids[:4].sum() % 2)}
+
+class Slowly(TrainerCallback):  # so that a person (and the test) can watch it
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(0.05)
+
+def train():
+    config = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=128)
+    args = TrainingArguments(output_dir="hf-out", per_device_train_batch_size=16,
+                             num_train_epochs=2, logging_steps=5, learning_rate=5e-4,
+                             report_to="none", save_strategy="no", use_cpu=True)
+    trainer = Trainer(model=BertForSequenceClassification(config), args=args,
+                      train_dataset=Reviews(), callbacks=[Slowly()])
+    return trainer.train().training_loss
+
+nbddp.notebook_launch(train, num_workers=2, device="cpu")
+"""
 
 
 def _missing() -> str | None:
@@ -51,26 +84,36 @@ def _missing() -> str | None:
     return None
 
 
+def _notebook(cell: str) -> str:
+    return json.dumps(
+        {
+            "cells": [
+                {
+                    "cell_type": "code",
+                    "metadata": {},
+                    "source": cell,
+                    "outputs": [],
+                    "execution_count": None,
+                }
+            ],
+            "metadata": {
+                "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
+            },
+            "nbformat": 4,
+            "nbformat_minor": 5,
+        }
+    )
+
+
 @pytest.fixture
 def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     port, token = free_port(), secrets.token_hex(16)
-    notebook = {
-        "cells": [
-            {
-                "cell_type": "code",
-                "metadata": {},
-                "source": CELL,
-                "outputs": [],
-                "execution_count": None,
-            }
-        ],
-        "metadata": {
-            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
-        },
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
-    (tmp_path / "live.ipynb").write_text(json.dumps(notebook))
+    (tmp_path / "live.ipynb").write_text(_notebook(CELL))
+    (tmp_path / "hf.ipynb").write_text(_notebook(HF_CELL))
+    settings = tmp_path / "lab-settings"  # no "get Jupyter news?" prompt over the panel
+    notification = settings / "@jupyterlab" / "apputils-extension"
+    notification.mkdir(parents=True)
+    (notification / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
     log = open(tmp_path / "jupyterlab.log", "w")  # noqa: SIM115 - closed below
     server = subprocess.Popen(
         [
@@ -89,7 +132,11 @@ def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=tmp_path,
-        env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config")},
+        env={
+            **os.environ,
+            "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+            "JUPYTERLAB_SETTINGS_DIR": str(settings),
+        },
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -105,7 +152,7 @@ def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
                         + (tmp_path / "jupyterlab.log").read_text()[-3000:]
                     )
                 time.sleep(0.3)
-        yield f"{base}/lab/tree/live.ipynb?token={token}", tmp_path
+        yield f"{base}/lab/tree/{{notebook}}?token={token}", tmp_path
     finally:
         server.terminate()  # shuts its kernels down too
         try:
@@ -114,6 +161,32 @@ def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
             server.kill()
             server.wait()
         log.close()
+
+
+def _open_and_run(page, url: str) -> None:
+    page.goto(url)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
+    page.click(".jp-Cell .cm-content")
+    page.keyboard.press("Shift+Enter")
+
+
+def _rising_progress(page, seconds: float) -> list[int]:
+    page.wait_for_selector(".nbddp-panel .nbddp-bar progress", timeout=90_000)
+    seen: list[int] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and len(set(seen)) < 3:
+        values = page.eval_on_selector_all(
+            ".nbddp-panel .nbddp-bar progress", "bars => bars.map(b => b.value)"
+        )
+        seen.append(sum(int(v) for v in values))
+        time.sleep(0.5)
+    return seen
+
+
+def _keep(shot: Path, name: str) -> None:
+    if os.environ.get("NBDDP_SCREENSHOT"):
+        shutil.copy(shot, Path(os.environ["NBDDP_SCREENSHOT"]) / name)
 
 
 @pytest.mark.slow
@@ -130,21 +203,8 @@ def test_live_panel_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
         )
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(url)
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
-            page.click(".jp-Cell .cm-content")
-            page.keyboard.press("Shift+Enter")
-
-            page.wait_for_selector(".nbddp-panel .nbddp-bar progress", timeout=90_000)
-            seen: list[int] = []
-            deadline = time.monotonic() + 40
-            while time.monotonic() < deadline and len(set(seen)) < 3:
-                values = page.eval_on_selector_all(
-                    ".nbddp-panel .nbddp-bar progress", "bars => bars.map(b => b.value)"
-                )
-                seen.append(sum(int(v) for v in values))
-                time.sleep(0.5)
+            _open_and_run(page, url.format(notebook="live.ipynb"))
+            seen = _rising_progress(page, 40)
             assert len(set(seen)) >= 3 and seen == sorted(seen), f"progress did not rise: {seen}"
 
             page.wait_for_selector(".nbddp-panel .nbddp-metrics", timeout=30_000)
@@ -153,11 +213,40 @@ def test_live_panel_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
             assert "averaged over 2 ranks" in page.inner_text(".nbddp-panel")
             shot = folder / "live-widget.png"
             page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
-            if os.environ.get("NBDDP_SCREENSHOT"):
-                shutil.copy(shot, os.environ["NBDDP_SCREENSHOT"])
+            _keep(shot, "live-widget.png")
 
             page.wait_for_selector(".nbddp-summary", timeout=60_000)  # the static summary
             summary = page.inner_text(".nbddp-summary")
             assert "done" in summary and "epoch 1 done" in summary
+        finally:
+            browser.close()
+
+
+@pytest.mark.slow
+def test_an_hf_trainer_shows_its_bar_and_metrics_in_the_panel(jupyterlab: tuple[str, Path]):
+    reason = _missing()
+    if reason:
+        pytest.skip(f"browser test cannot run here: {reason}")
+    from playwright.sync_api import sync_playwright
+
+    url, folder = jupyterlab
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            _open_and_run(page, url.format(notebook="hf.ipynb"))
+            seen = _rising_progress(page, 60)  # the Trainer's own tqdm bar, as a panel bar
+            assert len(set(seen)) >= 3 and seen == sorted(seen), f"progress did not rise: {seen}"
+            page.wait_for_selector(".nbddp-panel .nbddp-metrics", timeout=60_000)
+            page.wait_for_selector(".nbddp-panel .nbddp-chart", timeout=60_000)
+            table = page.inner_text(".nbddp-panel .nbddp-metrics")
+            assert "loss" in table and "learning_rate" in table and "grad_norm" in table
+            shot = folder / "hf-trainer.png"
+            page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
+            _keep(shot, "hf-trainer.png")
+            page.wait_for_selector(".nbddp-summary", timeout=120_000)
+            assert "done" in page.inner_text(".nbddp-summary")
         finally:
             browser.close()

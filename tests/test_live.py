@@ -287,3 +287,38 @@ def test_fallback_shows_the_same_panel(kernel):
     final = [m for m in messages if m["msg_type"] == "update_display_data"][-1]["content"]
     html = final["data"]["text/html"]
     assert "1 × cpu" in html and "nbddp-metrics" in html and "step 4" in html
+
+
+def test_rank_output_in_the_panel_behaves_like_a_terminal(kernel):
+    kernel.run(
+        "def noisy():\n"
+        "    import sys, time\n"
+        "    from tqdm import tqdm\n"
+        "    for _ in tqdm(range(300), mininterval=0):\n"
+        "        time.sleep(0.001)\n"
+        "    print('\\x1b[1;31mred alert\\x1b[0m \\x1b[2Kplain', flush=True)\n"
+        "    for percent in range(0, 101, 5):\n"
+        "        sys.stdout.write(f'\\rmanual {percent}%')\n"
+        "        sys.stdout.flush()\n"
+        "        time.sleep(0.01)\n"
+        "    print('\\nafter', flush=True)\n"
+    )
+    messages: list[dict] = []
+    out, reply = kernel.run(
+        "nbddp.notebook_launch(noisy, num_workers=2, device='cpu')", messages=messages
+    )
+    assert reply["status"] == "ok", out
+    red = '<span style="font-weight:bold;color:#cd3131">red alert</span> plain'
+    live = [v for v in _widget_values(messages) if "nbddp-output" in v]
+    assert any(red in v for v in live)  # coloured in the live widget
+    assert any('value="300" max="300"' in v for v in _widget_values(messages))  # tqdm's bar
+    final = [m for m in messages if m["msg_type"] == "update_display_data"][-1]["content"]
+    saved = final["data"]["text/html"]
+    output = re.search(r'<pre class="nbddp-output"[^>]*>(.*?)</pre>', saved, re.S).group(1)
+    assert red in output and "\x1b" not in saved and "\r" not in saved
+    # the user's lines, one line for the redrawn counter, none for tqdm's 300 refreshes
+    assert re.sub(r"<[^>]+>", "", output).splitlines() == [
+        "red alert plain",
+        "manual 100%",
+        "after",
+    ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import math
 
+from . import ansi
 from .format import bar_text, format_duration, format_number
 from .state import RunSnapshot
 
@@ -116,14 +117,19 @@ def _line_chart(
         f'<text x="{left}" y="10" font-size="11">{html.escape(name)}</text>'
         f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#e5e7eb"/>'
         f'<text x="{left - 3}" y="{top + 8}" font-size="9" text-anchor="end">'
-        f"{format_number(y1)}</text>"
+        f"{_axis(y1)}</text>"
         f'<text x="{left - 3}" y="{top + h}" font-size="9" text-anchor="end">'
-        f"{format_number(y0)}</text>"
+        f"{_axis(y0)}</text>"
         f'<text x="{left}" y="{height - 3}" font-size="9">{int(x0)}</text>'
         f'<text x="{left + w}" y="{height - 3}" font-size="9" text-anchor="end">'
         f"step {int(x1)}</text>"
         f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{path}"/></svg>'
     )
+
+
+def _axis(value: float) -> str:
+    """A y-axis label that fits the chart's 44-pixel margin (at most ~7 characters)."""
+    return f"{value:.3g}"
 
 
 def output_html(s: RunSnapshot) -> str:
@@ -137,7 +143,7 @@ def output_html(s: RunSnapshot) -> str:
     return (
         f'<details open><summary style="{_FONT}color:#6b7280">rank 0 output</summary>'
         f'{dropped}<pre class="nbddp-output" style="{_FONT}max-height:240px;overflow:auto;'
-        f'margin:2px 0">{html.escape(s.output)}</pre></details>'
+        f'margin:2px 0">{ansi.to_html(s.output)}</pre></details>'
     )
 
 

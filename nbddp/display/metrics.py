@@ -155,6 +155,15 @@ class MetricsAggregator:
         self._delivered[rank] = first
         self._average_until(min(self._delivered))
 
+    def add_main(self, step: int | None, values: dict[str, float]) -> None:
+        """One row rank 0 logged alone (a library's tracker on the main process): kept as it
+        is, at the library's step (or after the last row)."""
+        if not values:
+            return
+        at = step if step is not None else (self.history.steps[-1] + 1 if len(self.history) else 0)
+        self.history.extend(at, None, {name: [value] for name, value in values.items()})
+        self.latest.update(values)
+
     def finish(self) -> None:
         self._average_until(max(self._delivered))
 

@@ -107,6 +107,12 @@ class RunState:
             self.metrics.add(rank, first, blocks)
             self._bump()
 
+    def main_rows(self, rows: list[tuple[int | None, dict[str, float]]]) -> None:
+        with self.changed:
+            for step, values in rows:
+                self.metrics.add_main(step, values)
+            self._bump()
+
     def bars(self, bars: list[BarSnapshot]) -> None:
         with self.changed:
             now_shown = self._bars

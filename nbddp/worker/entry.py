@@ -37,11 +37,12 @@ from ..wire import (
     Job,
     JobSpec,
     Joined,
+    MainRows,
     Result,
     Rows,
     Unsendable,
 )
-from . import live
+from . import integrations, live
 from .report import error_report
 
 
@@ -73,6 +74,9 @@ class _ChannelSink:
     def rows(self, first: int, blocks: list[Block]) -> None:
         self._conn.send(Rows(self._rank, first, blocks))
 
+    def main_rows(self, rows: list[tuple[int | None, dict[str, float]]]) -> None:
+        self._conn.send(MainRows(self._rank, rows))
+
     def bars(self, bars: list[BarSnapshot]) -> None:
         self._conn.send(Bars(self._rank, bars))
 
@@ -93,6 +97,16 @@ def _kill_own_group() -> None:
     if os.getpgrp() == os.getpid():  # we lead our group: take DataLoader workers along
         os.killpg(os.getpid(), signal.SIGKILL)
     os._exit(1)
+
+
+def _adopt_kernel_logging(spec: JobSpec) -> None:
+    """The notebook's ``logging.basicConfig(...)``, here too: ``logger.info`` in fn prints as
+    it would in the notebook (to stderr; rank 0's is shown, like print)."""
+    if spec.logging is not None:
+        import logging
+
+        level, fmt, datefmt = spec.logging
+        logging.basicConfig(level=level, format=fmt, datefmt=datefmt, stream=sys.stderr, force=True)
 
 
 def _adopt_kernel_paths(spec: JobSpec) -> None:
@@ -117,6 +131,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
         return 1
     threading.Thread(target=_listen, args=(conn, joined), daemon=True).start()
     _adopt_kernel_paths(spec)
+    _adopt_kernel_logging(spec)
     early_exit = False
     try:
         payload.install_sources(job.sources)
@@ -144,6 +159,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
             conn.send(Joined(rank))
             buffer = live.LiveBuffer(_ChannelSink(conn, rank))
             live.install(buffer)
+            integrations.install(spec.output)
             try:
                 value = fn(*args, **kwargs)
             finally:

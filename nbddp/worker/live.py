@@ -39,6 +39,8 @@ class LiveSink(Protocol):
 
     def rows(self, first: int, blocks: list[Block]) -> None: ...
 
+    def main_rows(self, rows: list[tuple[int | None, dict[str, float]]]) -> None: ...
+
     def bars(self, bars: list[BarSnapshot]) -> None: ...
 
 
@@ -97,6 +99,7 @@ class LiveBuffer:
         self._bars: list[_Bar] = []  # the active stack, outermost first
         self._closed: list[BarSnapshot] = []  # bars closed since the last snapshot
         self.bars_dirty = False  # a bar moved since the last snapshot
+        self._main_rows: list[tuple[int | None, dict[str, float]]] = []  # log_main's
         self._next_bar = 0
         self.epoch: int | None = None  # the current pass of a prepared loader, if any
         # Set by a stop of a run in the kernel: log() and progress() raise it, a clean point
@@ -134,6 +137,13 @@ class LiveBuffer:
         if unread:
             block.unread = True  # before the values: the flusher reads them first, then this
         block.values.extend(row.values())  # atomic: the flusher sees all of a row or none
+
+    def log_main(self, values: Mapping[str, Any], step: int | None) -> None:
+        """Rank 0's own row, not to be averaged (a library logged it on the main process
+        only, or already reduced): shipped by the flusher like the others."""
+        row = {name: _scalar(name, value) for name, value in values.items()}
+        row = {name: v if type(v) is float else float(v.item()) for name, v in row.items()}
+        self._main_rows.append((step, row))
 
     def _take_rows(self) -> tuple[int, list[Block]]:
         """On the flusher: the rows logged so far, as blocks, and the index of the first."""
@@ -195,6 +205,9 @@ class LiveBuffer:
                     self.bars_dirty = False
             if blocks:
                 self._sink.rows(first, blocks)
+            if self._main_rows:
+                main, self._main_rows = self._main_rows, []
+                self._sink.main_rows(main)
             if snapshot is not None:
                 self._sink.bars(snapshot)
 
@@ -254,6 +267,11 @@ def install(buffer: LiveBuffer | None) -> LiveBuffer | None:
     global _buffer
     previous, _buffer = _buffer, buffer
     return previous
+
+
+def current() -> LiveBuffer | None:
+    """This process's buffer while a run is going, else None."""
+    return _buffer
 
 
 def set_epoch(epoch: int) -> None:

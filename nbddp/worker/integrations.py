@@ -1,0 +1,318 @@
+"""What libraries already know, shown by the panel, with no change to the user's code.
+
+Installed in every rank before ``fn`` runs, each through the library's own extension point,
+and only when (and if) the library is imported:
+
+* **tqdm** (``tqdm``, ``tqdm.auto``, ``tqdm.notebook``, so the HF Trainer's and Lightning's
+  bars too): on rank 0 a bar becomes a panel bar (count, rate, ETA; nested when nested)
+  instead of text; on other ranks it is silent unless ``output="all"``.
+* **Hugging Face** ``Trainer``: a ``TrainerCallback`` whose ``on_log`` logs what the Trainer
+  logs (``loss``, ``learning_rate``, ``grad_norm``, ``epoch``, eval metrics).
+* **Lightning** ``Trainer``: a ``Logger`` added to the trainer's loggers, given what
+  ``self.log(...)`` logged (the trainer needs a logger: ``logger=False`` turns logging off).
+  Lightning's default progress bar becomes its tqdm one (rich's, its default when rich is
+  importable, draws only a last frame where output is no terminal).
+* **Accelerate**: a tracker, given what ``accelerator.log(...)`` logs.
+
+The rule for averaging: a library that calls us on every rank (the Trainer's ``on_log``,
+Lightning's loggers) logs as ``nbddp.log`` does, and row k is averaged across ranks; values
+the library already reduced are equal on every rank, so their average is that value, never
+reduced twice. A library that logs on the main process only (Accelerate's trackers) gives rows
+that are taken as rank 0 gives them.
+
+A library that is absent costs nothing: the hooks wait for an import that never comes. An
+integration that fails warns once and leaves the library as it was.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import io
+import numbers
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from ..errors import NbddpWarning
+from . import live
+from .context import rank
+
+Patch = Callable[[ModuleType], None]
+_NULL = io.StringIO()  # where a bar shown by the panel writes its text: nowhere
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a patch right after a module is imported (``sys.meta_path``)."""
+
+    def __init__(self, patches: dict[str, Patch]) -> None:
+        self.patches = patches
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader, patch)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, patch: Patch) -> None:
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        module: ModuleType | None = self._loader.create_module(spec)
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _apply(self._patch, module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... as the real one
+        return getattr(self._loader, name)
+
+
+def _apply(patch: Patch, module: ModuleType) -> None:
+    try:
+        patch(module)
+    except Exception as exc:  # the user's import must never fail because of us
+        warnings.warn(
+            f"nbddp could not hook into {module.__name__} ({type(exc).__name__}: {exc}); "
+            "it works as usual, without its progress or metrics in the panel.",
+            NbddpWarning,
+            stacklevel=2,
+        )
+
+
+def install(output: str) -> None:
+    """Hook the libraries into this rank's panel (``output``: whose output is shown)."""
+    patches: dict[str, Patch] = {
+        "tqdm.std": lambda module: _patch_tqdm(module, output),
+        "tqdm.notebook": _use_plain_tqdm,
+        "transformers.trainer": _patch_transformers,
+        "lightning.pytorch.trainer.trainer": _patch_lightning,
+        "pytorch_lightning.trainer.trainer": _patch_lightning,
+        "accelerate.accelerator": _patch_accelerate,
+    }
+    for name, patch in patches.items():
+        if name in sys.modules:  # imported already (a library the job itself imported)
+            _apply(patch, sys.modules[name])
+    sys.meta_path.insert(0, _AfterImport(patches))
+
+
+# -- tqdm -------------------------------------------------------------------------------------
+
+
+def _patch_tqdm(module: ModuleType, output: str) -> None:
+    cls = module.tqdm
+    if getattr(cls, "_nbddp", False):
+        return
+    original_init, original_close = cls.__init__, cls.close
+    mirrored = {name: getattr(cls, name) for name in ("update", "refresh", "reset")}
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        buffer = live.current()
+        shows = buffer is not None and rank() == 0
+        if buffer is not None and (shows or output != "all") and not kwargs.get("disable"):
+            kwargs["file"] = _NULL  # the panel shows it (rank 0), or nobody does
+            kwargs["disable"] = False  # (None would disable it: the null file is no tty)
+        original_init(self, *args, **kwargs)
+        if shows and buffer is not None and not self.disable:
+            self._nbddp_bar = buffer.open_bar(_desc(self), _total(self))
+            self._nbddp_buffer = buffer
+
+    def close(self: Any) -> None:
+        bar = self.__dict__.pop("_nbddp_bar", None)
+        if bar is not None:
+            _mirror(self, bar)
+            self._nbddp_buffer.close_bar(bar)
+        original_close(self)
+
+    def mirroring(method: Callable[..., Any]) -> Callable[..., Any]:
+        def mirrored_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = method(self, *args, **kwargs)
+            bar = self.__dict__.get("_nbddp_bar")
+            if bar is not None:
+                _mirror(self, bar)
+                self._nbddp_buffer.bars_dirty = True
+            return result
+
+        return mirrored_method
+
+    cls.__init__ = __init__
+    cls.close = close
+    for name, method in mirrored.items():
+        setattr(cls, name, mirroring(method))
+    cls._nbddp = True
+
+
+def _mirror(bar_of_tqdm: Any, bar: Any) -> None:
+    bar.n = int(bar_of_tqdm.n)
+    bar.total = _total(bar_of_tqdm)
+    bar.desc = _desc(bar_of_tqdm)
+
+
+def _desc(bar: Any) -> str | None:
+    desc = str(getattr(bar, "desc", "") or "").rstrip(": ")
+    return desc or None
+
+
+def _total(bar: Any) -> int | None:
+    total: Any = getattr(bar, "total", None)
+    return int(total) if isinstance(total, (int, float)) and total > 0 else None
+
+
+def _use_plain_tqdm(module: ModuleType) -> None:
+    """A rank has no notebook front end: its notebook bars are plain tqdm bars (shown by
+    the panel on rank 0)."""
+    import tqdm.std
+
+    module.tqdm = tqdm.std.tqdm  # type: ignore[attr-defined]
+    module.trange = tqdm.std.trange  # type: ignore[attr-defined]
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+
+def numbers_in(values: Mapping[str, Any]) -> dict[str, float]:
+    """The values that can be charted: numbers and one-element tensors, bools left out."""
+    found = {}
+    for name, value in values.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, numbers.Real):
+            found[str(name)] = float(value)
+        elif getattr(value, "numel", None) is not None and value.numel() == 1:
+            found[str(name)] = float(value.item())
+    return found
+
+
+def _patch_transformers(module: ModuleType) -> None:
+    trainer = module.Trainer
+    if getattr(trainer, "_nbddp", False):
+        return
+    from transformers import TrainerCallback
+
+    class NbddpCallback(TrainerCallback):
+        """What the Trainer logs, on every rank, into the panel (loss is already reduced)."""
+
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
+        ) -> None:
+            values = numbers_in(logs or {})
+            if values:
+                live.log(values)
+
+    original_init = trainer.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if live.current() is not None:
+            self.add_callback(NbddpCallback)
+
+    trainer.__init__ = __init__
+    trainer._nbddp = True
+
+
+def _patch_lightning(module: ModuleType) -> None:
+    trainer = module.Trainer
+    if getattr(trainer, "_nbddp", False):
+        return
+    package = module.__name__.split(".trainer", 1)[0]  # lightning.pytorch or pytorch_lightning
+    logger_base = __import__(f"{package}.loggers.logger", fromlist=["Logger"]).Logger
+
+    class NbddpLogger(logger_base):  # type: ignore[misc, valid-type]
+        """Given what ``self.log`` logged, on every rank (not rank 0 only), at the same steps."""
+
+        @property
+        def name(self) -> str:
+            return "nbddp"
+
+        @property
+        def version(self) -> str:
+            return "live"
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+            values = numbers_in(metrics)
+            if values:
+                live.log(values)
+
+    callbacks = __import__(f"{package}.callbacks", fromlist=["TQDMProgressBar"])
+    original_init = trainer.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if live.current() is None:
+            return
+        if self.loggers:  # appended: loggers[0] keeps its role (log_dir, v_num, checkpoints)
+            self.loggers = [*self.loggers, NbddpLogger()]
+        bar = self.progress_bar_callback
+        chosen = kwargs.get("callbacks") or []
+        if isinstance(bar, callbacks.RichProgressBar) and bar not in chosen:
+            # Lightning's default when rich is importable; a rank's output is no terminal, so
+            # rich would draw its last frame only: tqdm's becomes a live panel bar instead
+            self.callbacks[self.callbacks.index(bar)] = callbacks.TQDMProgressBar()
+
+    trainer.__init__ = __init__
+    trainer._nbddp = True
+
+
+def _patch_accelerate(module: ModuleType) -> None:
+    accelerator = module.Accelerator
+    if getattr(accelerator, "_nbddp", False):
+        return
+    from accelerate.tracking import GeneralTracker
+
+    class NbddpTracker(GeneralTracker):  # type: ignore[misc]
+        """``accelerator.log`` runs on the main process only: its rows are rank 0's."""
+
+        name = "nbddp"
+        requires_logging_directory = False
+
+        @property
+        def tracker(self) -> Any:
+            return self
+
+        def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+            buffer = live.current()
+            found = numbers_in(values)
+            if buffer is not None and found:
+                buffer.log_main(found, step)
+
+    def add_tracker(self: Any) -> None:
+        if live.current() is not None and not any(
+            isinstance(t, NbddpTracker) for t in self.trackers
+        ):
+            self.trackers.append(NbddpTracker())
+
+    original_init, original_init_trackers = accelerator.__init__, accelerator.init_trackers
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        add_tracker(self)
+
+    def init_trackers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_init_trackers(self, *args, **kwargs)  # it starts a new list
+        add_tracker(self)
+        return result
+
+    accelerator.__init__ = __init__
+    accelerator.init_trackers = init_trackers
+    accelerator._nbddp = True

@@ -1,0 +1,182 @@
+"""Unchanged library code, and the panel shows what the library knows: tqdm bars become panel
+bars, the HF Trainer's, Lightning's and Accelerate's metrics fill run.history, the notebook's
+logging setup reaches the ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import tempfile
+
+import pytest
+
+import nbddp
+
+TWO_CPU = {"num_workers": 2, "device": "cpu", "display": "none"}
+
+
+def launch(fn, *args, **options):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        value = nbddp.notebook_launch(fn, args, **{**TWO_CPU, **options})
+    run = nbddp.last_run()
+    return value, out.getvalue(), run.history, run._state.snapshot().bars
+
+
+def tqdm_loops() -> int:
+    import time
+
+    from tqdm.auto import tqdm, trange
+
+    for _ in trange(2, desc="outer"):
+        for _ in tqdm(range(150), desc="inner", mininterval=0):  # 300 refreshes in all
+            time.sleep(0.001)
+    print("the user's own line", flush=True)
+    return nbddp.rank()
+
+
+@pytest.mark.parametrize("output", ["rank0", "all"])
+def test_tqdm_bars_become_panel_bars_and_leave_no_text(output):
+    value, text, _, bars = launch(tqdm_loops, output=output)
+    assert value == 0
+    assert [(b.desc, b.n, b.total, b.level) for b in bars] == [("outer", 2, 2, 0)]
+    if output == "rank0":
+        assert text == "the user's own line\n"  # no bar text at all
+    else:  # rank 1's bars stay text, and each redraw keeps its prefix
+        assert "[rank 0] the user's own line\n" in text and "[rank 1] the user's own" in text
+        assert "[rank 0] inner" not in text and "[rank 1] inner:" in text
+        assert "\r[rank 1] inner:" in text
+
+
+def logs_through_logging() -> None:
+    logging.getLogger("training").info("an info line from rank %d", nbddp.rank())
+    logging.getLogger("training").debug("not shown at INFO")
+
+
+def test_the_notebooks_logging_setup_reaches_the_ranks():
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    handler = logging.StreamHandler(io.StringIO())
+    handler.setFormatter(logging.Formatter("%(levelname)s|%(name)s|%(message)s"))
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    try:
+        _, text, _, _ = launch(logs_through_logging)
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    assert text == "INFO|training|an info line from rank 0\n"
+
+
+def hf_trainer(output_dir: str) -> int:
+    import torch
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        Trainer,
+        TrainingArguments,
+    )
+
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 128
+
+        def __getitem__(self, i: int) -> dict:
+            ids = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(i))
+            return {
+                "input_ids": ids,
+                "attention_mask": torch.ones(16, dtype=torch.long),
+                "labels": int(ids[0] % 2),
+            }
+
+    args = TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=8,
+        num_train_epochs=2,
+        logging_steps=2,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+    )
+    trainer = Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=Data())
+    trainer.train()
+    return trainer.state.global_step
+
+
+@pytest.mark.slow
+def test_an_hf_trainer_fills_history_and_shows_its_bar_in_the_panel():
+    with tempfile.TemporaryDirectory() as output_dir:
+        steps, _, history, bars = launch(hf_trainer, output_dir)
+    assert steps == 16
+    losses = [row for row in history if "loss" in row]
+    assert len(losses) == 8 and {"learning_rate", "grad_norm", "epoch"} <= set(losses[0])
+    assert [(b.n, b.total) for b in bars] == [(16, 16)]
+
+
+def lightning_trainer(root: str) -> list[str]:
+    import lightning.pytorch as pl
+    import torch
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: tuple, index: int) -> torch.Tensor:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x), y) + nbddp.rank()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        log_every_n_steps=2,
+        default_root_dir=root,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=16))
+    return [type(logger).__name__ for logger in trainer.loggers]
+
+
+@pytest.mark.slow
+def test_a_lightning_trainer_fills_history_averaged_across_ranks():
+    with tempfile.TemporaryDirectory() as root:
+        loggers, _, history, bars = launch(lightning_trainer, root)
+    assert loggers[-1] == "NbddpLogger" and loggers[0] != "NbddpLogger"
+    rows = [row for row in history if "train_loss" in row]
+    assert len(rows) == 8
+    # rank 1's loss is rank 0's + 1 (different data aside): the average sits between them
+    assert all(row["train_loss"] > 0.5 for row in rows)
+    assert bars and bars[0].desc.startswith("Epoch") and bars[0].n == bars[0].total == 8
+
+
+def accelerate_tracker() -> int:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    for step in range(4):
+        accelerator.log({"loss": 1.0 / (step + 1), "note": "text"}, step=10 * step)
+    return accelerator.num_processes
+
+
+def test_accelerate_logs_reach_history_as_rank_0_logs_them():
+    processes, _, history, _ = launch(accelerate_tracker)
+    assert processes == 2
+    assert history == [{"step": 10 * s, "loss": 1.0 / (s + 1)} for s in range(4)]
