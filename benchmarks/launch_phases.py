@@ -17,7 +17,7 @@ from typing import Any
 
 import nbddp
 import nbddp.launch
-from nbddp import forkserver, launch, supervisor
+from nbddp import forkserver, launch, rankgroup, referee
 
 PHASES = [
     ("planned and pickled", "plan, `dumps_call`, the backend chosen"),
@@ -53,27 +53,21 @@ def _stamp_after(owner: Any, name: str, marks: dict[str, float], label: str) -> 
 
 def _instrument(marks: dict[str, float]) -> None:
     _stamp_after(launch, "_backend_for", marks, "planned and pickled")
-    _stamp_after(supervisor.LocalWorkers, "_start", marks, "ranks asked for")
-    handle = supervisor.LocalWorkers._handle
+    _stamp_after(rankgroup.RankGroup, "start", marks, "ranks asked for")
+    _stamp_after(rankgroup.RankGroup, "_welcome", marks, "first hello")
+    event = referee.Referee.event
 
-    def seen(self: Any, conn: Any, message: Any, buffers: list[Any]) -> None:
-        handle(self, conn, message, buffers)
-        if type(message).__name__ == "Hello":
-            marks.setdefault("first hello", time.perf_counter())
-            if len(self._sent_job) == self.plan.world_size:
-                marks.setdefault("every rank has its job", time.perf_counter())
-        if type(message).__name__ == "Result" and self._tracker.all_returned:
+    def heard(self: Any, what: Any) -> None:
+        event(self, what)
+        name = type(what).__name__
+        if name == "Started":
+            marks.setdefault("every rank has its job", time.perf_counter())
+        elif name == "Received" and self.tracker.all_returned:
             marks.setdefault("every result in", time.perf_counter())
-
-    supervisor.LocalWorkers._handle = seen  # type: ignore[method-assign]
-    on_exit = supervisor.LocalWorkers._on_exit
-
-    def exited(self: Any, rank: int) -> None:
-        on_exit(self, rank)
-        if len(self._tracker.exited) == self.plan.world_size:
+        elif name == "Ended" and len(self.tracker.exited) == self.world_size:
             marks.setdefault("every rank exited", time.perf_counter())
 
-    supervisor.LocalWorkers._on_exit = exited  # type: ignore[method-assign]
+    referee.Referee.event = heard  # type: ignore[method-assign]
 
 
 def run(launches: int = 20) -> str:

@@ -110,6 +110,38 @@ class Unsendable(NamedTuple):
     reason: str
 
 
+# -- a machine's ranks, as a judge hears them (rankgroup.py; forwarded by a cluster's node) --
+
+
+class Received(NamedTuple):
+    """A rank's message (Rows, Result, Failed, ...), with the frame's buffers."""
+
+    rank: int
+    message: Any
+    buffers: list[Any]
+
+
+class Ended(NamedTuple):
+    """A rank's process ended (negative code: the signal), with its last lines of stderr."""
+
+    rank: int
+    code: int | None
+    stderr_tail: str
+
+
+class Started(NamedTuple):
+    """Every rank of the group has its job."""
+
+
+class Printed(NamedTuple):
+    """Output of the ranks a cluster node shows (already prefixed), for the notebook."""
+
+    text: str
+
+
+RankEvent = Received | Ended | Started | Printed
+
+
 class SharedLayout(NamedTuple):
     """Where each out-of-band buffer of the call sits in the shared memory segment."""
 
