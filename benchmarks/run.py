@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -218,6 +219,14 @@ def _in_fresh_process(module: str, quick: bool) -> str:
     return done.stdout.strip()
 
 
+def _cluster(cluster: Any, quick: bool) -> str:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "Not measured: Ray is not installed (pip install 'nbddp[ray]' 'ray[train]')."
+    return str(cluster.run(quick))
+
+
 # -- the report --------------------------------------------------------------------------------
 
 
@@ -250,6 +259,8 @@ def machine() -> str:
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    import cluster
+    import data
     import live_overhead
 
     sections = [
@@ -268,6 +279,8 @@ def main() -> None:
             "4. nbddp.log / nbddp.progress overhead and latency",
             live_overhead.run(launches=1 if quick else live_overhead.LAUNCHES),
         ),
+        ("5. Data in and out: a captured 1 GB global, a returned 1 GiB tensor", data.run(quick)),
+        ("6. Ray cluster launches (two simulated nodes)", _cluster(cluster, quick)),
     ]
     text = (
         "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n"

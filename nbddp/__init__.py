@@ -31,6 +31,7 @@ __all__ = [
     "LaunchTimeout",
     "NbddpError",
     "NbddpWarning",
+    "RayCluster",
     "Run",
     "RunStopped",
     "SerializationError",
@@ -47,6 +48,7 @@ __all__ = [
     "print",
     "progress",
     "rank",
+    "set_cluster",
     "unwrap",
     "world_size",
 ]
@@ -55,9 +57,16 @@ __version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from .launch import notebook_launch
+    from .ray_cluster import RayCluster, set_cluster
     from .run import Run, last_run
 
-_KERNEL_SIDE = {"notebook_launch": "launch", "Run": "run", "last_run": "run"}
+_KERNEL_SIDE = {
+    "notebook_launch": "launch",
+    "Run": "run",
+    "last_run": "run",
+    "RayCluster": "ray_cluster",
+    "set_cluster": "ray_cluster",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -51,6 +51,8 @@ Finish = Callable[[Outcome], None]
 
 
 class Backend(Protocol):
+    nodes: tuple[str, ...]  # the machines' addresses, in node-rank order (once started)
+
     def start(self, events: RunEvents, finish: Finish) -> None:
         """Start the ranks. Raises (after cleaning up) if they cannot start; otherwise
         ``finish`` is called exactly once later (or before ``start`` returns, for a backend

@@ -31,9 +31,16 @@ class Call:
     """The pickled call: ``stream``, plus the segment holding its out-of-band bytes. The
     kernel closes it once every rank has it (their mappings keep the pages)."""
 
-    def __init__(self, stream: bytes, segment: shared.Segment | None = None) -> None:
+    def __init__(
+        self,
+        stream: bytes,
+        segment: shared.Segment | None = None,
+        buffers: list[memoryview] | None = None,
+    ) -> None:
         self.stream = stream
         self.segment = segment
+        self.buffers = buffers or []  # not in a segment: views of the objects' own memory
+        self.modules: set[str] = set()  # what the pickled call refers to by name
 
     @property
     def layout(self) -> SharedLayout | None:
@@ -45,19 +52,35 @@ class Call:
 
     @property
     def shared_size(self) -> int:
-        return self.segment.size if self.segment is not None else 0
+        if self.segment is not None:
+            return self.segment.size
+        return sum(b.nbytes for b in self.buffers)
+
+    def needs(self) -> set[str]:
+        """The top-level modules the ranks must import to unpickle the call (those pickled
+        by reference; by-value code, the notebook's own, needs none)."""
+        import cloudpickle
+
+        by_value = {name.split(".")[0] for name in cloudpickle.list_registry_pickle_by_value()}
+        return {m for m in self.modules if m and m not in ("__main__", *by_value)}
 
     def close(self) -> None:
         if self.segment is not None:
             self.segment.close()
+        self.buffers = []
 
 
 def dumps_call(
-    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: Mapping[str, Any] | None = None
+    fn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    names: Mapping[str, Any] | None = None,
+    segment: bool = True,
 ) -> Call:
     """Pickle a launch's call; tensors and arrays go to shared memory, a CUDA tensor to be
     rebuilt on each rank's own device. ``names`` are what the call carries by the names the
-    user knows them by (a ``%%ddp`` cell's inputs), for the warnings and errors.
+    user knows them by (a ``%%ddp`` cell's inputs), for the warnings and errors. Without
+    ``segment`` (a cluster: Ray's object store carries the bytes) the buffers stay views.
 
     A failure names the piece and the path to the culprit: ``train -> global 'lock' ->
     _thread.lock`` or ``kwargs['opt'] -> ...``."""
@@ -72,13 +95,18 @@ def dumps_call(
         return False
 
     stream = io.BytesIO()
+    pickler = TransferPickler(stream, out_of_band, to_devices=True)
     try:
-        TransferPickler(stream, out_of_band, to_devices=True).dump((fn, args, kwargs))
+        pickler.dump((fn, args, kwargs))
     except Exception as exc:
         pieces = [(name, fn), *_pieces(fn, args, kwargs, names)]
         raise _explained(f"{name} to the workers", exc, pieces) from None
-    call = Call(stream.getvalue(), shared.Segment(buffers) if buffers else None)
-    buffers.clear()  # views of the user's tensors: not kept
+    if not segment:
+        call = Call(stream.getvalue(), buffers=buffers)
+    else:
+        call = Call(stream.getvalue(), shared.Segment(buffers) if buffers else None)
+        buffers = []  # views of the user's tensors: not kept
+    call.modules = pickler.modules
     _warn_if_big(call, list(_pieces(fn, args, kwargs, names)))
     return call
 

@@ -8,13 +8,16 @@ and names the option that sets them instead.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import struct
 from collections.abc import Mapping
 from typing import NamedTuple
 
 from .processes import RUN_ID_VARIABLE
 
+_SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
 WORKER_VARIABLE = "NBDDP_WORKER"  # set in every rank and in the helper: no helper of its own
 
 # What sets each variable nbddp owns, for the error that refuses it in env=.
@@ -78,6 +81,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def interface_of(address: str) -> str | None:
+    """The network interface that holds the IPv4 ``address`` on this machine (the loopback
+    interface for any 127.x.y.z, which it serves whole)."""
+    if address.startswith("127."):
+        address = "127.0.0.1"
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:
+                continue  # no IPv4 address on it
+        if socket.inet_ntoa(reply[20:24]) == address:
+            return name
+    return None
+
+
 def worker_env(
     place: Place,
     port: int,
@@ -86,10 +106,14 @@ def worker_env(
     device: str,
     gpus: tuple[int, ...],
     user_env: Mapping[str, str],
+    master_addr: str = "127.0.0.1",
+    interface: str | None = None,
 ) -> dict[str, str]:
-    """The kernel's environment plus what torchrun would set, plus the user's ``env=``."""
+    """This process's environment plus what torchrun would set, plus the user's ``env=``.
+    ``interface``: the network interface gloo and NCCL use, unless the user set theirs
+    (without it they pick the hostname's address, which may be the wrong one or none)."""
     env = dict(os.environ)
-    env.update(torchrun_env(place, "127.0.0.1", port, run_id))
+    env.update(torchrun_env(place, master_addr, port, run_id))
     env[RUN_ID_VARIABLE] = run_id
     env[WORKER_VARIABLE] = str(place.rank)  # importing nbddp in a rank starts no helper
     env["PYTHONUNBUFFERED"] = "1"
@@ -99,6 +123,9 @@ def worker_env(
         env["MPLBACKEND"] = "Agg"  # the notebook's inline backend means nothing in a rank
     if device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(physical_gpus(gpus))
+    if interface is not None:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env.setdefault(name, interface)
     env.update(user_env)
     return env
 

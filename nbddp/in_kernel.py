@@ -106,6 +106,8 @@ class _EventsSink:
 class InKernel:
     """Runs the call in the kernel: in the caller's thread when blocking, else in a thread."""
 
+    nodes: tuple[str, ...] = ("localhost",)
+
     def __init__(
         self,
         plan: LaunchPlan,

@@ -30,6 +30,9 @@ def notebook_launch(
     return_all: bool = False,
     block: bool = True,
     env: Mapping[str, str] | None = None,
+    cluster: Any = None,
+    nodes: int | str = "auto",
+    workers_per_node: int | str = "auto",
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank of a DDP job started from the notebook.
 
@@ -41,6 +44,10 @@ def notebook_launch(
 
     Tensors and arrays that ``fn`` captures are not copied per rank: their bytes sit once in
     shared memory that every rank maps copy-on-write (a rank's writes stay its own).
+
+    ``cluster="ray"`` (or ``"ray://host:port"``, a :class:`nbddp.RayCluster`, or the default
+    from :func:`nbddp.set_cluster`) runs ``nodes`` x ``workers_per_node`` ranks on a Ray
+    cluster instead of this machine, with the same results, errors and live view.
 
     ``gpus=[0, 0]`` with ``backend="gloo"`` puts two ranks on one GPU: a testing aid for
     single-GPU machines (NCCL refuses it). ``NBDDP_PREWARM=0`` in the environment turns the
@@ -59,6 +66,9 @@ def notebook_launch(
         return_all=return_all,
         block=block,
         env=env,
+        cluster=cluster,
+        nodes=nodes,
+        workers_per_node=workers_per_node,
     )
     return launch_plan(fn, tuple(args), dict(kwargs or {}), plan)
 
@@ -129,6 +139,11 @@ def _backend_for(
     """The backend and the device's name for the header; raises before anything starts."""
     if plan.in_kernel:
         return InKernel(plan, fn, args, kwargs), device_name(plan)
+    if plan.cluster is not None:
+        from .ray_backend import RayWorkers
+
+        call = dumps_call(fn, args, kwargs, names, segment=False)  # Ray carries the bytes
+        return RayWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
     call = dumps_call(fn, args, kwargs, names)  # SerializationError before any process
     _warn_if_kernel_holds_gpus(plan)
     return LocalWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"

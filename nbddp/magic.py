@@ -64,6 +64,20 @@ class DDPMagics(Magics):
         help="bring back only these names (default: every name the cell assigns)",
     )
     @argument("--no-out", action="store_true", help="bring nothing back into the notebook")
+    @argument(
+        "--cluster",
+        type=str,
+        default=None,
+        metavar="ray|ray://HOST:PORT",
+        help="run on a Ray cluster (default: nbddp.set_cluster's, else this machine)",
+    )
+    @argument("--nodes", type=int, default=None, help="cluster nodes (default: every alive one)")
+    @argument(
+        "--workers-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: its GPUs on cuda, 1 on cpu)",
+    )
     @cell_magic
     def ddp(self, line: str, cell: str) -> Any:
         """Run this cell as a DistributedDataParallel job, one rank per GPU (or -n gloo ranks
@@ -85,6 +99,11 @@ class DDPMagics(Magics):
                 timeout=args.timeout,
                 display=args.display,
                 output=args.output,
+                cluster=args.cluster,
+                nodes="auto" if args.nodes is None else args.nodes,
+                workers_per_node=(
+                    "auto" if args.workers_per_node is None else args.workers_per_node
+                ),
             )
         except ValueError as exc:
             raise UsageError(f"%%ddp: {exc}") from None

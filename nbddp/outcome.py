@@ -154,6 +154,20 @@ class RunTracker:
         if not reported or code == 0:
             self.failures.append(died(rank, code, stderr_tail, time.time(), node))
 
+    def node_lost(self, ranks: range, node: str, reason: str) -> None:
+        """A node's helper died (the node was lost): each of its ranks failed with it."""
+        when = time.time()
+        for rank in ranks:
+            if rank in self._results or any(f.rank == rank for f in self.failures):
+                continue
+            error = WorkerError(
+                rank,
+                node=node,
+                summary=f"rank {rank} was lost with its node {node} ({reason})",
+                hint="Ray lost the node, or the node's nbddp helper died; every rank on it ended.",
+            )
+            self.failures.append(Failure(rank, when, error, "died"))
+
     @property
     def everyone_accounted_for(self) -> bool:
         """Every rank exited or failed: no more news can come."""

@@ -16,6 +16,7 @@ import io
 import linecache
 import pickle
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -45,8 +46,13 @@ class TransferPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle 
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
         self._out_of_band = buffer_callback is not None
         self._to_devices = to_devices
+        self.modules: set[str] = set()  # of the functions, classes and modules pickled
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.ModuleType):
+            self.modules.add(obj.__name__.split(".")[0])
+        elif isinstance(obj, (types.FunctionType, type)):
+            self.modules.add(str(getattr(obj, "__module__", None) or "").split(".")[0])
         torch = sys.modules.get("torch")
         if torch is not None:
             if isinstance(obj, torch.Tensor):

@@ -11,15 +11,17 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from .environment import check_user_env
+from .ray_cluster import place_on_cluster
+from .ray_cluster import resolve as resolve_cluster
+from .wire import Output
 
 DeviceOption = Literal["auto", "cuda", "cpu"]
 Device = Literal["cuda", "cpu"]
 Backend = Literal["nccl", "gloo"]
 Display = Literal["auto", "widget", "text", "none"]
-Output = Literal["rank0", "all", "none"]
 
 DEVICE_OPTIONS: tuple[str, ...] = get_args(DeviceOption)
 BACKENDS: tuple[str, ...] = get_args(Backend)
@@ -42,11 +44,14 @@ class LaunchPlan:
     return_all: bool = False
     block: bool = True
     env: Mapping[str, str] = field(default_factory=dict)
+    cluster: Any = None  # a RayCluster, or None: this machine
+    nodes: int = 1
+    workers_per_node: int = 0  # on one machine: world_size
 
     @property
     def in_kernel(self) -> bool:
-        """One rank runs in the kernel itself: no worker process at all."""
-        return self.world_size == 1
+        """One rank on this machine runs in the kernel itself: no worker process at all."""
+        return self.world_size == 1 and self.cluster is None
 
 
 def visible_gpu_count() -> int:
@@ -68,28 +73,34 @@ def make_plan(
     return_all: bool = False,
     block: bool = True,
     env: Mapping[str, str] | None = None,
+    cluster: Any = None,
+    nodes: int | str = "auto",
+    workers_per_node: int | str = "auto",
     gpu_count: int | None = None,
 ) -> LaunchPlan:
     """Validate and resolve the launch options. ``gpu_count`` overrides detection (tests)."""
-    n_gpus = visible_gpu_count() if gpu_count is None else gpu_count
-
     if device not in DEVICE_OPTIONS:
         raise ValueError(f"device={device!r} is not one of {_choices(DEVICE_OPTIONS)}.")
-    if device == "cuda" and n_gpus == 0:
-        raise ValueError(
-            "device='cuda' but no GPU is visible to this kernel "
-            "(torch.cuda.is_available() is False). Use device='cpu' or device='auto'."
-        )
-    resolved_device: Device = (
-        ("cuda" if n_gpus else "cpu")
-        if device == "auto"
-        else ("cuda" if device == "cuda" else "cpu")
-    )
-
-    if gpus is not None:
-        gpus = _check_gpus(gpus, resolved_device, n_gpus)
-
-    workers = _resolve_workers(num_workers, resolved_device, n_gpus, gpus)
+    on_cluster = resolve_cluster(cluster)
+    if on_cluster is None:
+        if nodes != "auto" or workers_per_node != "auto":
+            raise ValueError(
+                f"nodes={nodes!r}, workers_per_node={workers_per_node!r} place ranks on a "
+                "cluster: pass cluster='ray' (or call nbddp.set_cluster first), or use "
+                "num_workers= alone on this machine."
+            )
+        n_gpus = visible_gpu_count() if gpu_count is None else gpu_count
+        resolved_device, workers, rank_gpus = _this_machine(num_workers, device, gpus, n_gpus)
+        n_nodes, per_node = 1, workers
+    else:
+        if gpus is not None:
+            raise ValueError(
+                "gpus= selects this machine's GPUs; on a cluster, workers_per_node= sets how "
+                "many GPUs of each node are used. Drop gpus=."
+            )
+        placed = place_on_cluster(on_cluster, num_workers, device, nodes, workers_per_node)
+        resolved_device, n_nodes, per_node = placed
+        workers, rank_gpus = n_nodes * per_node, ()
 
     resolved_backend: Backend
     if backend is None:
@@ -105,22 +116,11 @@ def make_plan(
             "backend='nccl' needs GPUs but this run is on the CPU. "
             "Use backend='gloo' (or None), or device='cuda' on a machine with GPUs."
         )
-
-    rank_gpus: tuple[int, ...] = ()
-    if resolved_device == "cuda":
-        chosen = list(gpus) if gpus is not None else list(range(n_gpus))
-        if workers > len(chosen):
-            raise ValueError(
-                f"num_workers={workers} but only {len(chosen)} GPU(s) are selected "
-                f"({chosen}). Use num_workers<={len(chosen)}, or let two ranks share a GPU "
-                "for testing with gpus=[0, 0] and backend='gloo', or device='cpu'."
-            )
-        rank_gpus = tuple(chosen[:workers])
-        if len(set(rank_gpus)) < len(rank_gpus) and resolved_backend == "nccl":
-            raise ValueError(
-                f"gpus={list(rank_gpus)} puts two ranks on one GPU, which NCCL refuses. "
-                "Pass backend='gloo' to share a GPU (a testing aid for single-GPU machines)."
-            )
+    if len(set(rank_gpus)) < len(rank_gpus) and resolved_backend == "nccl":
+        raise ValueError(
+            f"gpus={list(rank_gpus)} puts two ranks on one GPU, which NCCL refuses. "
+            "Pass backend='gloo' to share a GPU (a testing aid for single-GPU machines)."
+        )
 
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -131,7 +131,6 @@ def make_plan(
         raise ValueError(f"display={display!r} is not one of {_choices(DISPLAYS)}.")
     if output not in OUTPUTS:
         raise ValueError(f"output={output!r} is not one of {_choices(OUTPUTS)}.")
-
     for name, value in (("return_all", return_all), ("block", block)):
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be True or False.")
@@ -147,7 +146,36 @@ def make_plan(
         return_all=return_all,
         block=block,
         env=_check_env(env, resolved_device),
+        cluster=on_cluster,
+        nodes=n_nodes,
+        workers_per_node=per_node,
     )
+
+
+def _this_machine(
+    num_workers: int | str, device: str, gpus: Sequence[int] | None, n_gpus: int
+) -> tuple[Device, int, tuple[int, ...]]:
+    """Device, world size and each rank's GPU on this machine."""
+    if device == "cuda" and n_gpus == 0:
+        raise ValueError(
+            "device='cuda' but no GPU is visible to this kernel "
+            "(torch.cuda.is_available() is False). Use device='cpu' or device='auto'."
+        )
+    wants_gpu = device == "cuda" or (device == "auto" and n_gpus > 0)
+    resolved: Device = "cuda" if wants_gpu else "cpu"
+    if gpus is not None:
+        gpus = _check_gpus(gpus, resolved, n_gpus)
+    workers = _resolve_workers(num_workers, resolved, n_gpus, gpus)
+    if resolved != "cuda":
+        return resolved, workers, ()
+    chosen = list(gpus) if gpus is not None else list(range(n_gpus))
+    if workers > len(chosen):
+        raise ValueError(
+            f"num_workers={workers} but only {len(chosen)} GPU(s) are selected "
+            f"({chosen}). Use num_workers<={len(chosen)}, or let two ranks share a GPU "
+            "for testing with gpus=[0, 0] and backend='gloo', or device='cpu'."
+        )
+    return resolved, workers, tuple(chosen[:workers])
 
 
 def _choices(options: tuple[str, ...]) -> str:

@@ -22,7 +22,7 @@ import re
 import sys
 from typing import Protocol
 
-from .plan import Output
+from .wire import Output
 
 MAX_LINE = 10_000  # characters of one line kept for the panel and the stderr tail
 _TAIL_LINES = 40

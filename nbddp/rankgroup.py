@@ -26,12 +26,11 @@ from typing import Any, Protocol
 
 from . import payload
 from .call import Call
-from .plan import Output
 from .processes import Starter, WorkerProcess, terminate
 from .pump import OutputPump, Writable
 from .rundir import SPEC, RunDir
 from .transport import AuthenticationFailed, Connection, Listener, PendingHandshake
-from .wire import Ended, Hello, Job, JobSpec, RankEvent, Received, Started
+from .wire import Ended, Hello, Job, JobSpec, Output, RankEvent, Received, Started
 
 _READ_BUDGET = 16 << 20  # bytes read from one connection before the loop looks around
 _SEND_TIMEOUT = 60.0

@@ -42,7 +42,9 @@ class Run:
         self.backend = plan.backend
         self._plan = plan
         self._backend = backend
-        self._state = RunState(plan.world_size, plan.device, plan.backend, device_name)
+        self._state = RunState(
+            plan.world_size, plan.device, plan.backend, device_name, nodes=plan.nodes
+        )
         self._display: LiveDisplay | None = None
         self._outcome: Outcome | None = None
         self._done = threading.Event()
@@ -75,6 +77,11 @@ class Run:
         with ``step`` and, where known, ``epoch``. See ``display.metrics.History`` for the
         memory policy of very long runs."""
         return self._state.history_rows()
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The machines' addresses, in node-rank order (``("localhost",)`` on this one)."""
+        return self._backend.nodes
 
     @property
     def duration(self) -> float:

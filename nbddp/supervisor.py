@@ -20,6 +20,7 @@ from .call import Call
 from .environment import (
     device_indices,
     free_port,
+    interface_of,
     notebook_logging,
     single_node,
     worker_env,
@@ -36,6 +37,8 @@ from .wire import JobSpec
 class LocalWorkers:
     """One launch's processes from start to teardown."""
 
+    nodes: tuple[str, ...] = ("localhost",)
+
     def __init__(self, plan: LaunchPlan, call: Call, starter: Starter | None = None) -> None:
         self.plan = plan
         self._call = call
@@ -50,6 +53,7 @@ class LocalWorkers:
         plan = self.plan
         run_id = f"nbddp-{os.getpid()}-{secrets.token_hex(4)}"
         port = free_port()
+        loopback = interface_of("127.0.0.1")
         envs = {
             rank: worker_env(
                 single_node(rank, plan.world_size),
@@ -58,6 +62,7 @@ class LocalWorkers:
                 device=plan.device,
                 gpus=plan.gpus,
                 user_env=plan.env,
+                interface=loopback,  # one machine: every rank on the loopback interface
             )
             for rank in range(plan.world_size)
         }

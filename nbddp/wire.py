@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
+
+Output = Literal["rank0", "all", "none"]  # whose output a run shows
 
 # Logged rows as a rank sends them: a block is consecutive rows with the same epoch and keys,
 # one list of values per key.

@@ -40,11 +40,32 @@ def blocks(*rows: tuple) -> list:
     return sent
 
 
+def is_ray_process(proc: psutil.Process) -> bool:
+    """A process of a (simulated) Ray cluster a test started: the cluster's to end, not ours.
+    The ranks its nodes fork are no Ray processes and are still checked."""
+    try:
+        command = proc.cmdline()
+        line = " ".join(command)
+        return (
+            proc.name() in ("raylet", "gcs_server")
+            or "ray::" in line
+            or "/site-packages/ray/" in line
+            or " -m ray." in line
+            or any(os.path.basename(part) == "ray" for part in command[:2])
+        )
+    except psutil.Error:
+        return False
+
+
 def _descendants() -> dict[int, psutil.Process]:
     alive = {}
     for proc in psutil.Process().children(recursive=True):
         try:
-            if proc.status() != psutil.STATUS_ZOMBIE and not is_warm_helper(proc):
+            if (
+                proc.status() != psutil.STATUS_ZOMBIE
+                and not is_warm_helper(proc)
+                and not is_ray_process(proc)
+            ):
                 alive[proc.pid] = proc
         except psutil.NoSuchProcess:
             continue

@@ -24,6 +24,9 @@ KERNEL_SIDE = (
     "nbddp.backend",
     "nbddp.pump",
     "nbddp.outcome",
+    "nbddp.referee",
+    "nbddp.ray_backend",
+    "nbddp.ray_cluster",
 )
 
 
@@ -163,6 +166,8 @@ API = {
     "WorkerError",
     "SerializationError",
     "LaunchTimeout",
+    "RayCluster",
+    "set_cluster",
 }
 EXTRA = {"RunStopped", "NbddpWarning"}
 

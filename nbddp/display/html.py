@@ -28,7 +28,7 @@ _FONT = "font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size:
 def header_html(s: RunSnapshot) -> str:
     color = _COLORS.get(s.status, "#6b7280")
     label = {"succeeded": "done", "failed": "failed", "stopped": "stopped"}.get(s.status, s.status)
-    where = f"{s.world_size} × {html.escape(s.device_name)} ({s.backend})"
+    where = f"{html.escape(s.where)} ({s.backend})"
     line = (
         f'<span style="background:{color};color:white;border-radius:3px;padding:1px 6px">'
         f"{label}</span> nbddp · {where} · {format_duration(s.elapsed)}"

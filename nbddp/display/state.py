@@ -53,13 +53,26 @@ class RunSnapshot(NamedTuple):
     series: dict[str, list[tuple[float, float]]]  # a chart's points per metric
     output: str  # the last lines of rank 0's output
     output_dropped: int
+    nodes: int = 1
+
+    @property
+    def where(self) -> str:
+        """``2 × cpu`` on one machine, ``2 nodes × 4 GPUs`` on a cluster."""
+        if self.nodes > 1:
+            per_node = self.world_size // self.nodes
+            plural = "s" if per_node > 1 and self.device_name == "GPU" else ""
+            return f"{self.nodes} nodes × {per_node} {self.device_name}{plural}"
+        return f"{self.world_size} × {self.device_name}"
 
 
 class RunState:
     """Everything a view shows about one run; thread-safe."""
 
-    def __init__(self, world_size: int, device: str, backend: str, device_name: str) -> None:
+    def __init__(
+        self, world_size: int, device: str, backend: str, device_name: str, nodes: int = 1
+    ) -> None:
         self.world_size = world_size
+        self.nodes = nodes
         self._device = device
         self._backend = backend
         self.device_name = device_name
@@ -163,6 +176,7 @@ class RunState:
                 series={name: history.series(name, CHART_POINTS) for name in history.columns},
                 output=self._output.text(),
                 output_dropped=self._output.dropped,
+                nodes=self.nodes,
             )
 
     def history_rows(self) -> list[dict[str, Any]]:

@@ -62,9 +62,7 @@ def status_line(s: RunSnapshot) -> str:
 
 
 def summary_text(s: RunSnapshot) -> str:
-    summary = (
-        f"nbddp: {s.status} after {s.elapsed:.1f} s ({s.world_size} × {s.device_name}, {s.backend})"
-    )
+    summary = f"nbddp: {s.status} after {s.elapsed:.1f} s ({s.where}, {s.backend})"
     metrics = _metrics(s)
     if metrics:
         summary += f" | {metrics}"

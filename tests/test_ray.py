@@ -1,0 +1,269 @@
+"""Launches on a Ray cluster of two simulated nodes (``ray.cluster_utils.Cluster``: two raylets
+on this machine, each with one CPU), one rank per node, gloo: everything that holds on one
+machine holds here, and nothing is left on any node. Every address is on the loopback
+interface (127.0.0.2: Ray rewrites 127.0.0.1 to the machine's outward address)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+import nbddp
+from nbddp import LaunchTimeout, RunStopped, WorkerError
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
+pytestmark = pytest.mark.ray
+NODE_IP = "127.0.0.2"
+RAY = {"cluster": "ray", "display": "none", "device": "cpu"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def like_notebook_code():
+    """This module's functions travel by value, as a notebook's do: the nodes cannot import
+    this test module."""
+    import sys
+
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no reports to the outside world
+    simulated = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "node_ip_address": NODE_IP, "include_dashboard": False},
+    )
+    second = simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)
+    ray.init(address=simulated.address, log_to_driver=False, _node_ip_address=NODE_IP)
+    try:
+        yield simulated, second
+    finally:
+        from nbddp import ray_cluster
+
+        ray.shutdown()
+        ray_cluster._by_address.clear()
+        simulated.shutdown()
+
+
+@pytest.fixture
+def helpers(cluster):
+    """Every node helper's pid: a rank's grandparent (helper -> forkserver -> rank)."""
+    from nbddp import ray_cluster
+
+    nbddp.notebook_launch(abs, (-1,), **RAY)  # helpers up and warm
+    registry = ray_cluster.resolve("ray")
+    return {node: registry.info(node)["pid"] for node in registry._helpers}
+
+
+@pytest.fixture(autouse=True)
+def nothing_left(request):
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    from ray.util import placement_group_table
+
+    states = {p["state"] for p in placement_group_table().values()}
+    assert states <= {"REMOVED"}, f"placement groups left: {states}"
+
+
+def where_am_i() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.ones(1) * (nbddp.rank() + 1)
+    dist.all_reduce(total)
+    return {
+        "rank": nbddp.rank(),
+        "sum": total.item(),
+        "pid": os.getpid(),
+        "helper": psutil.Process(os.getppid()).ppid(),
+        "env": {
+            k: os.environ[k]
+            for k in (
+                "RANK",
+                "LOCAL_RANK",
+                "GROUP_RANK",
+                "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE",
+                "GROUP_WORLD_SIZE",
+                "MASTER_ADDR",
+                "GLOO_SOCKET_IFNAME",
+            )
+        },
+    }
+
+
+def test_ranks_run_on_different_nodes_and_see_the_torchrun_environment(cluster, helpers):
+    ranks = nbddp.notebook_launch(where_am_i, **RAY, return_all=True)
+    assert [r["sum"] for r in ranks] == [3.0, 3.0]
+    assert {r["helper"] for r in ranks} == set(helpers.values())  # one rank on each node
+    for rank, facts in enumerate(ranks):
+        assert facts["env"] == {
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "GROUP_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "1",
+            "GROUP_WORLD_SIZE": "2",
+            "MASTER_ADDR": NODE_IP,
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+    assert nbddp.last_run().nodes == (NODE_IP, NODE_IP)
+    assert nbddp.notebook_launch(where_am_i, **RAY)["rank"] == 0  # rank 0's alone
+    for facts in ranks:
+        assert not psutil.pid_exists(facts["pid"]), "a rank outlived its launch"
+
+
+def logs_per_rank(steps: int) -> None:
+    for step in nbddp.progress(range(steps), desc="steps"):
+        nbddp.log(loss=float(nbddp.rank()), step=float(step))
+        print(f"step {step} on rank {nbddp.rank()}", flush=True)
+
+
+def test_live_rows_are_averaged_across_nodes_and_rank_0_output_comes_back(cluster, capsys):
+    nbddp.notebook_launch(logs_per_rank, (5,), **RAY)
+    run = nbddp.last_run()
+    assert [row["loss"] for row in run.history] == [0.5] * 5
+    assert run._state.snapshot().bars[0].n == 5
+    out = capsys.readouterr().out
+    assert "step 4 on rank 0" in out and "on rank 1" not in out
+
+
+def raises_on_rank_one() -> None:
+    if nbddp.rank() == 1:
+        raise KeyError("missing feature")
+    time.sleep(60)
+
+
+def test_a_raising_rank_fails_the_run_fast_with_rank_node_and_cause(cluster):
+    started = time.monotonic()
+    with pytest.raises(KeyError) as info:
+        nbddp.notebook_launch(raises_on_rank_one, **RAY)
+    error = info.value
+    assert isinstance(error, WorkerError) and (error.rank, error.node) == (1, NODE_IP)
+    assert "raise KeyError" in error.remote_traceback
+    assert isinstance(error.__cause__, KeyError)
+    assert time.monotonic() - started < 10
+    assert nbddp.last_run().status == "failed"
+
+
+def kills_rank_one() -> None:
+    if nbddp.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def test_a_killed_rank_is_named_with_its_signal(cluster):
+    with pytest.raises(WorkerError) as info:
+        nbddp.notebook_launch(kills_rank_one, **RAY)
+    assert (info.value.rank, info.value.exitcode, info.value.node) == (1, -9, NODE_IP)
+
+
+def sleeps(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_stop_and_timeout_end_every_rank(cluster):
+    run = nbddp.notebook_launch(sleeps, (60,), **RAY, block=False)
+    time.sleep(1.0)
+    started = time.monotonic()
+    assert run.stop() and run.status == "stopped"
+    assert time.monotonic() - started < 5
+    with pytest.raises(RunStopped):
+        run.result()
+    with pytest.raises(LaunchTimeout):
+        nbddp.notebook_launch(sleeps, (60,), **RAY, timeout=3)
+
+
+def test_impossible_requests_are_refused_before_anything_starts(cluster):
+    with pytest.raises(ValueError, match=r"2 alive node\(s\) can hold 1 rank\(s\)"):
+        nbddp.notebook_launch(abs, (-1,), **RAY, nodes=3)
+    with pytest.raises(ValueError, match="no node of the cluster has a GPU"):
+        nbddp.notebook_launch(abs, (-1,), cluster="ray", device="cuda")
+    with pytest.raises(ValueError, match="nodes=2 x workers_per_node=1 is 2"):
+        nbddp.notebook_launch(abs, (-1,), **RAY, num_workers=3)
+    with pytest.raises(ValueError, match=r"nbddp_only_here, which node .* cannot import"):
+        nbddp.notebook_launch(_uses(_a_module_only_in_the_kernel()), **RAY)
+
+
+def _a_module_only_in_the_kernel():
+    """A module the notebook imported from its folder, which the nodes do not have."""
+    import sys
+    import tempfile
+
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, "nbddp_only_here.py"), "w") as f:
+        f.write("VALUE = 1\n")
+    sys.path.insert(0, folder)
+    try:
+        import nbddp_only_here
+
+        return nbddp_only_here
+    finally:
+        sys.path.remove(folder)
+
+
+def _uses(module):
+    return lambda: module.VALUE
+
+
+def test_the_default_cluster_is_used_by_later_launches(cluster):
+    nbddp.set_cluster("ray")
+    try:
+        assert nbddp.notebook_launch(where_am_i, display="none", device="cpu")["sum"] == 3.0
+        assert nbddp.last_run().nodes == (NODE_IP, NODE_IP)
+    finally:
+        nbddp.set_cluster(None)
+    assert nbddp.notebook_launch(os.getpid, num_workers=1) == os.getpid()  # this machine again
+
+
+def test_a_lost_node_ends_the_run_and_is_named(cluster, helpers):
+    simulated, second = cluster
+    run = nbddp.notebook_launch(sleeps, (60,), **RAY, block=False)
+    time.sleep(2.0)
+    simulated.remove_node(second)
+    try:
+        assert run.wait(timeout=60)
+        with pytest.raises(WorkerError) as info:
+            run.result()
+        assert info.value.node == NODE_IP and "lost with its node" in str(info.value)
+    finally:
+        simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)  # two nodes again
+
+
+def test_a_ddp_cell_runs_on_the_cluster_from_a_kernel(cluster, kernel_factory):
+    simulated, _ = cluster
+    kernel = kernel_factory()
+    try:
+        out, reply = kernel.run(
+            "import os, ray, nbddp\n"
+            "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
+            f"ray.init(address={simulated.address!r}, log_to_driver=False, "
+            f"_node_ip_address={NODE_IP!r})\n"
+            "%load_ext nbddp"
+        )
+        assert reply["status"] == "ok", out
+        base = 20
+        kernel.run(f"base = {base}")
+        out, reply = kernel.run(
+            "%%ddp --cluster ray --nodes 2 --workers-per-node 1 --device cpu --display none\n"
+            "import torch, torch.distributed as dist\n"
+            "total = torch.tensor([float(base + nbddp.rank())])\n"
+            "dist.all_reduce(total)\n"
+            "where = os.environ['GROUP_RANK']"
+        )
+        assert reply["status"] == "ok", out
+        out, _ = kernel.run("print(total.item(), where, nbddp.last_run().nodes)")
+        assert out.strip() == f"{2 * base + 1}.0 0 ('{NODE_IP}', '{NODE_IP}')"
+    finally:
+        kernel.shutdown()

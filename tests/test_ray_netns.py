@@ -1,0 +1,171 @@
+"""Two "hosts" with addresses of their own: network namespaces ``nbddp-a`` and ``nbddp-b`` joined
+by a veth pair on 10.200.0.0/24, a Ray node started in each, the kernel in the first. Unlike
+``ray.cluster_utils`` (one address for every node), this exercises the choice of
+``MASTER_ADDR`` (node rank 0's address, whichever host that is) and of the interface gloo uses
+(``GLOO_SOCKET_IFNAME``): without it gloo advertises the hostname's address and fails.
+
+Needs root (network namespaces); skipped loudly without it. Every packet stays inside the two
+namespaces this test makes: their only interfaces are ``lo`` and the veth pair, with no route
+anywhere else."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
+pytestmark = [pytest.mark.ray, pytest.mark.netns, pytest.mark.slow]
+
+HOSTS = {"a": "10.200.0.1", "b": "10.200.0.2"}
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _reason_to_skip() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces (run as root, as CI does)"
+    if shutil.which("ip") is None:
+        return "needs iproute2's `ip` command (apt-get install iproute2)"
+    if not os.path.exists(RAY):
+        return f"Ray's command line is not at {RAY}"
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _in(host: str, command: list[str], **kwargs) -> list[str]:
+    return ["ip", "netns", "exec", f"nbddp-{host}", *command]
+
+
+@pytest.fixture(scope="module")
+def two_hosts() -> Iterator[None]:
+    reason = _reason_to_skip()
+    if reason:
+        pytest.skip(f"the two-host test cannot run here: {reason}")
+    for host in HOSTS:
+        subprocess.run(["ip", "netns", "del", f"nbddp-{host}"], capture_output=True)
+    try:
+        _ip("netns", "add", "nbddp-a")
+        _ip("netns", "add", "nbddp-b")
+        _ip("link", "add", "nbddp-va", "type", "veth", "peer", "name", "nbddp-vb")
+        for host, address in HOSTS.items():
+            _ip("link", "set", f"nbddp-v{host}", "netns", f"nbddp-{host}")
+            _ip("-n", f"nbddp-{host}", "addr", "add", f"{address}/24", "dev", f"nbddp-v{host}")
+            _ip("-n", f"nbddp-{host}", "link", "set", f"nbddp-v{host}", "up")
+            _ip("-n", f"nbddp-{host}", "link", "set", "lo", "up")
+        yield
+    finally:
+        for host in HOSTS:  # deleting a namespace deletes its end of the veth pair too
+            subprocess.run(["ip", "netns", "del", f"nbddp-{host}"], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def ray_on_two_hosts(two_hosts, tmp_path_factory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("ray-logs")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--num-cpus=1", "--disable-usage-stats", "--block"]
+    head = f"{HOSTS['a']}:6379"
+    nodes = {
+        "a": [
+            f"--node-ip-address={HOSTS['a']}",
+            "--head",
+            "--port=6379",
+            "--include-dashboard=false",
+        ],
+        "b": [f"--node-ip-address={HOSTS['b']}", f"--address={head}"],
+    }
+    started = []
+    try:
+        for host, options in nodes.items():
+            with open(logs / f"{host}.log", "w") as log:
+                started.append(
+                    subprocess.Popen(
+                        _in(host, [RAY, "start", *options, *common]),
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+            if host == "a":
+                _wait_for_port("a", HOSTS["a"], 6379)  # the head is up: the other may join
+        yield head  # the kernel waits for both nodes to be alive
+    finally:
+        for process in started:  # every process of both nodes, whatever it became
+            try:
+                family = [process, *psutil.Process(process.pid).children(recursive=True)]
+            except psutil.Error:
+                family = [process]
+            for pid in [p.pid for p in family]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            process.wait()
+
+
+def _wait_for_port(host: str, address: str, port: int, seconds: float = 90) -> None:
+    probe = (
+        "import socket, time\n"
+        f"end = time.time() + {seconds}\n"
+        "while time.time() < end:\n"
+        "    try:\n"
+        f"        socket.create_connection(({address!r}, {port}), 1).close()\n"
+        "        break\n"
+        "    except OSError:\n"
+        "        time.sleep(0.3)\n"
+        "else:\n"
+        "    raise SystemExit('not up')\n"
+    )
+    subprocess.run(_in(host, [sys.executable, "-c", probe]), check=True, timeout=seconds + 10)
+
+
+KERNEL = """
+import json, os, sys, time
+import ray, nbddp
+ray.init(address=sys.argv[1], log_to_driver=False, _node_ip_address=sys.argv[2])
+deadline = time.monotonic() + 60
+while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.monotonic() < deadline:
+    time.sleep(0.5)
+
+def where():
+    import torch, torch.distributed as dist
+    t = torch.ones(1) * (nbddp.rank() + 1)
+    dist.all_reduce(t)
+    return {"sum": t.item(), "master": os.environ["MASTER_ADDR"],
+            "interface": os.environ.get("GLOO_SOCKET_IFNAME"), "group": os.environ["GROUP_RANK"]}
+
+ranks = nbddp.notebook_launch(where, cluster="ray", device="cpu", display="none",
+                              return_all=True)
+print("RESULT " + json.dumps({"ranks": ranks, "nodes": list(nbddp.last_run().nodes)}))
+"""
+
+
+def test_ranks_on_two_hosts_find_each_other(ray_on_two_hosts):
+    done = subprocess.run(
+        _in("a", [sys.executable, "-c", KERNEL, ray_on_two_hosts, HOSTS["a"]]),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(line[len("RESULT ") :])
+    nodes = result["nodes"]
+    assert sorted(nodes) == sorted(HOSTS.values())  # node rank 0 may be either host
+    for rank, facts in enumerate(result["ranks"]):
+        assert facts["sum"] == 3.0
+        assert facts["master"] == nodes[0]  # node rank 0's own address
+        host = "a" if nodes[rank] == HOSTS["a"] else "b"
+        assert facts["interface"] == f"nbddp-v{host}"  # the interface of the node's address
+        assert facts["group"] == str(rank)
