@@ -262,6 +262,7 @@ def main() -> None:
     import cluster
     import data
     import live_overhead
+    import session
 
     sections = [
         ("Machine", machine()),
@@ -281,6 +282,7 @@ def main() -> None:
         ),
         ("5. Data in and out: a captured 1 GB global, a returned 1 GiB tensor", data.run(quick)),
         ("6. Ray cluster launches (two simulated nodes)", _cluster(cluster, quick)),
+        ("7. Session cells, from a real kernel", session.run(quick)),
     ]
     text = (
         "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n"

@@ -1,6 +1,7 @@
 """nbddp: run PyTorch DistributedDataParallel training from a Jupyter notebook.
 
-Kernel side: :func:`notebook_launch`, :class:`Run`, :func:`last_run`.
+Kernel side: :func:`notebook_launch`, :class:`Run`, :func:`last_run`, :class:`Session`,
+:class:`RayCluster`, :func:`set_cluster`.
 Worker side (inside the launched function; each also works outside a launch as rank 0 of 1):
 :func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
 :func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`,
@@ -35,6 +36,7 @@ __all__ = [
     "Run",
     "RunStopped",
     "SerializationError",
+    "Session",
     "WorkerError",
     "barrier",
     "device",
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from .launch import notebook_launch
     from .ray_cluster import RayCluster, set_cluster
     from .run import Run, last_run
+    from .session import Session
 
 _KERNEL_SIDE = {
     "notebook_launch": "launch",
@@ -66,6 +69,7 @@ _KERNEL_SIDE = {
     "last_run": "run",
     "RayCluster": "ray_cluster",
     "set_cluster": "ray_cluster",
+    "Session": "session",
 }
 
 
@@ -101,14 +105,14 @@ if _in_a_kernel():  # a launch will come: be ready for it (helper, launcher, ~30
 
 
 def load_ipython_extension(ipython: object) -> None:
-    """``%load_ext nbddp``: registers the ``%%ddp`` cell magic."""
+    """``%load_ext nbddp``: registers the ``%%ddp`` and ``%ddp_session`` magics."""
     from .magic import load_ipython_extension as load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: object) -> None:
-    """``%unload_ext nbddp``: removes the ``%%ddp`` cell magic."""
+    """``%unload_ext nbddp``: removes the ``%%ddp`` and ``%ddp_session`` magics."""
     from .magic import unload_ipython_extension as unload
 
     unload(ipython)

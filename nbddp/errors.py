@@ -281,17 +281,19 @@ class SerializationError(NbddpError, TypeError):
 
 
 class LaunchTimeout(NbddpError, TimeoutError):
-    """The run took longer than its ``timeout``; every rank was terminated."""
+    """The run took longer than its ``timeout``; every rank was terminated (a session's were
+    interrupted, and ``ended`` says how it went)."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, ended: str = "all workers were terminated") -> None:
         self.timeout = timeout
+        self.ended = ended
         super().__init__(
-            f"the run did not finish within timeout={timeout:g} s; all workers were terminated. "
+            f"the run did not finish within timeout={timeout:g} s; {ended}. "
             "Pass a larger timeout= (or None for no limit)."
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.timeout,))
+        return (type(self), (self.timeout, self.ended))
 
 
 class RunStopped(NbddpError):

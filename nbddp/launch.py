@@ -124,7 +124,7 @@ def launch_plan(
             return run
         run.wait()
     except KeyboardInterrupt:
-        _stop_despite_interrupts(run)
+        stop_despite_interrupts(run)
         raise
     return run.result()
 
@@ -149,7 +149,7 @@ def _backend_for(
     return LocalWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
 
 
-def _stop_despite_interrupts(run: Run) -> None:
+def stop_despite_interrupts(run: Run) -> None:
     """A second Ctrl-C must not leave ranks behind: keep waiting for the teardown."""
     while True:
         try:

@@ -65,6 +65,12 @@ class DDPMagics(Magics):
     )
     @argument("--no-out", action="store_true", help="bring nothing back into the notebook")
     @argument(
+        "--session",
+        action="store_true",
+        help="run on the ranks of %%ddp_session start, in the namespace they keep; only "
+        "--out names come back",
+    )
+    @argument(
         "--cluster",
         type=str,
         default=None,
@@ -91,6 +97,8 @@ class DDPMagics(Magics):
         args = parse_argstring(self.ddp, line)
         if args.out is not None and args.no_out:
             raise UsageError("%%ddp: use either --out NAME,NAME or --no-out, not both.")
+        if args.session:
+            return self._run_in_session(line, cell, args)
         try:
             plan = make_plan(
                 num_workers="auto" if args.num_workers is None else args.num_workers,
@@ -129,8 +137,63 @@ class DDPMagics(Magics):
 
     def _run_on_workers(self, line: str, cell: str, plan: LaunchPlan, args: Any) -> Any:
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
+        source, filename, names = self._prepare_cell(line, cell)
+        out_names = self._out_names(args, names, filename, held=frozenset())
+        inputs = self._inputs(names, held=frozenset())
+        outcome: CellOutcome = launch_plan(
+            run_cell,
+            (source, filename, inputs, out_names, cells.shows_last_value(source), names.deletes),
+            {},
+            plan,
+            names=inputs,
+        )
+        return self._bring_back(outcome, source, filename, "the ranks that held them have ended")
+
+    def _run_in_session(self, line: str, cell: str, args: Any) -> Any:
+        """``%%ddp --session``: the cell runs in the ranks' own namespace; names it reads come
+        from there first, then from the notebook; only ``--out`` names come back."""
+        __tracebackhide__ = True
+        from .session import current
+
+        placement = {
+            "-n": args.num_workers,
+            "--device": None if args.device == "auto" else args.device,
+            "--backend": args.backend,
+            "--cluster": args.cluster,
+            "--nodes": args.nodes,
+            "--workers-per-node": args.workers_per_node,
+        }
+        given = [flag for flag, value in placement.items() if value is not None]
+        if given:
+            raise UsageError(
+                f"%%ddp --session runs on the session's ranks, so {', '.join(given)} belongs "
+                "to %ddp_session start."
+            )
+        session = current()
+        if session is None:
+            raise UsageError(
+                "%%ddp --session: no session is running. Start one first: "
+                "%ddp_session start -n 2 (or --device cuda for one rank per GPU)."
+            )
+        source, filename, names = self._prepare_cell(line, cell)
+        held = session.names
+        out_names = self._out_names(args, names, filename, held, default=())
+        inputs = self._inputs(names, held)
+        outcome: CellOutcome = session.run_cell(
+            source,
+            filename,
+            inputs,
+            out_names,
+            cells.shows_last_value(source),
+            names.deletes,
+            timeout=args.timeout,
+            display=args.display,
+            output=args.output,
+        )
+        return self._bring_back(outcome, source, filename, "they stay on the session's ranks")
+
+    def _prepare_cell(self, line: str, cell: str) -> tuple[str, str, cells.CellNames]:
         assert self.shell is not None
-        user_ns = self.shell.user_ns
         if self.shell.transform_cell(cell) != cell:
             raise UsageError(
                 "%%ddp: this cell uses IPython syntax (!command, %magic, ?help), which the "
@@ -139,30 +202,44 @@ class DDPMagics(Magics):
         source = "\n" + cell  # line 1 is the %%ddp line: the cell's line numbers hold
         filename = f"<%%ddp cell {next(_counter)}>"
         cells.register_source(filename, f"%%ddp {line}\n" + cell)
-        names = cells.analyze(source)
+        return source, filename, cells.analyze(source)
+
+    @staticmethod
+    def _out_names(
+        args: Any,
+        names: cells.CellNames,
+        filename: str,
+        held: frozenset[str],
+        default: tuple[str, ...] | None = None,
+    ) -> tuple[str, ...]:
+        """What comes back: ``--out`` names, or every name the cell assigns (``default``
+        otherwise: nothing, in a session)."""
         if args.no_out:
-            out_names: tuple[str, ...] = ()
-        elif args.out is not None:
-            out_names = tuple(n.strip() for n in args.out.split(",") if n.strip())
-            never = [n for n in out_names if n not in names.writes]
-            if never:
-                cells.warn_in_cell(
-                    f"--out {', '.join(never)}: the cell never assigns "
-                    f"{_them(never)}, so {_it_they(never)} cannot come back.",
-                    filename,
-                    1,
-                )
-        else:
-            out_names = names.writes
-        inputs = {n: user_ns[n] for n in sorted(names.reads) if n in user_ns}
-        inputs = _travelling_inputs(inputs, rebound=set(names.writes))
-        outcome: CellOutcome = launch_plan(
-            run_cell,
-            (source, filename, inputs, out_names, cells.shows_last_value(source), names.deletes),
-            {},
-            plan,
-            names=inputs,
-        )
+            return ()
+        if args.out is None:
+            return names.writes if default is None else default
+        out_names = tuple(n.strip() for n in args.out.split(",") if n.strip())
+        never = [n for n in out_names if n not in names.writes and n not in held]
+        if never:
+            cells.warn_in_cell(
+                f"--out {', '.join(never)}: the cell never assigns {_them(never)}, so "
+                f"{_it_they(never)} cannot come back.",
+                filename,
+                1,
+            )
+        return out_names
+
+    def _inputs(self, names: cells.CellNames, held: frozenset[str]) -> dict[str, Any]:
+        """The notebook's values of the names the cell reads (those the ranks hold resolve
+        there and are not shipped)."""
+        assert self.shell is not None
+        user_ns = self.shell.user_ns
+        inputs = {n: user_ns[n] for n in sorted(names.reads - held) if n in user_ns}
+        return _travelling_inputs(inputs, rebound=set(names.writes))
+
+    def _bring_back(self, outcome: CellOutcome, source: str, filename: str, fate: str) -> Any:
+        assert self.shell is not None
+        user_ns = self.shell.user_ns
         user_ns.update(outcome.values)
         for name in outcome.deleted:
             user_ns.pop(name, None)
@@ -171,7 +248,7 @@ class DDPMagics(Magics):
             detail = "; ".join(f"{n}: {why}" for n, why in outcome.skipped.items())
             cells.warn_in_cell(
                 f"%%ddp could not bring back {', '.join(skipped)}: {_it_they(skipped)} cannot "
-                f"be pickled, and the ranks that held {_them(skipped)} have ended ({detail}).",
+                f"be pickled, and {fate} ({detail}).",
                 filename,
                 cells.binding_line(source, skipped[0]),
             )
@@ -203,8 +280,12 @@ def _travelling_inputs(inputs: dict[str, Any], rebound: set[str]) -> dict[str, A
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    from .session_magic import SessionMagics
+
     ipython.register_magics(DDPMagics)
+    ipython.register_magics(SessionMagics)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     ipython.magics_manager.magics["cell"].pop("ddp", None)
+    ipython.magics_manager.magics["line"].pop("ddp_session", None)

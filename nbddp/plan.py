@@ -7,6 +7,7 @@ Non-goal: probing the GPUs beyond counting them (no CUDA context is created in t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -122,19 +123,7 @@ def make_plan(
             "Pass backend='gloo' to share a GPU (a testing aid for single-GPU machines)."
         )
 
-    if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise ValueError(f"timeout={timeout!r} must be a number of seconds or None.")
-        if not (timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None.")
-    if display not in DISPLAYS:
-        raise ValueError(f"display={display!r} is not one of {_choices(DISPLAYS)}.")
-    if output not in OUTPUTS:
-        raise ValueError(f"output={output!r} is not one of {_choices(OUTPUTS)}.")
-    for name, value in (("return_all", return_all), ("block", block)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} must be True or False.")
-
+    _check_run_options(timeout, display, output, return_all, block)
     return LaunchPlan(
         world_size=workers,
         device=resolved_device,
@@ -150,6 +139,44 @@ def make_plan(
         nodes=n_nodes,
         workers_per_node=per_node,
     )
+
+
+def with_run_options(
+    plan: LaunchPlan,
+    *,
+    timeout: float | None,
+    display: str,
+    output: str,
+    return_all: bool,
+    block: bool,
+) -> LaunchPlan:
+    """``plan`` (where the ranks run) with one run's own options, checked (a session's)."""
+    _check_run_options(timeout, display, output, return_all, block)
+    return dataclasses.replace(
+        plan,
+        timeout=float(timeout) if timeout is not None else None,
+        display=display,  # type: ignore[arg-type]
+        output=output,  # type: ignore[arg-type]
+        return_all=return_all,
+        block=block,
+    )
+
+
+def _check_run_options(
+    timeout: Any, display: Any, output: Any, return_all: Any, block: Any
+) -> None:
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ValueError(f"timeout={timeout!r} must be a number of seconds or None.")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None.")
+    if display not in DISPLAYS:
+        raise ValueError(f"display={display!r} is not one of {_choices(DISPLAYS)}.")
+    if output not in OUTPUTS:
+        raise ValueError(f"output={output!r} is not one of {_choices(OUTPUTS)}.")
+    for name, value in (("return_all", return_all), ("block", block)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False.")
 
 
 def _this_machine(

@@ -20,7 +20,7 @@ import contextlib
 import os
 import re
 import sys
-from typing import Protocol
+from typing import Any, Protocol
 
 from .wire import Output
 
@@ -98,6 +98,29 @@ class LineWindow:
         return "\n".join(lines) + ("\n" if self.lines and not self._open else "")
 
 
+class CellStream:
+    """The calling cell's stream, written from another thread. ipykernel files a thread's
+    writes under the cell that started the thread; a session's loop thread outlives that
+    cell, so each write names the cell this stream was taken in."""
+
+    def __init__(self, stream: Writable) -> None:
+        self._stream = stream
+        self._header = getattr(stream, "parent_header", None)
+
+    def write(self, text: str, /) -> int:
+        stream: Any = self._stream
+        if self._header is None or not hasattr(stream, "set_thread_parent"):
+            return stream.write(text)  # type: ignore[no-any-return]
+        token = stream.set_thread_parent(self._header)
+        try:
+            return stream.write(text)  # type: ignore[no-any-return]
+        finally:
+            stream.reset_thread_parent(token)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
 class _Pipe:
     def __init__(
         self, rank: int, fd: int, target: Writable | None, prefix: str, tail: LineWindow | None
@@ -139,6 +162,18 @@ class OutputPump:
             self._pipes[fd] = _Pipe(
                 rank, fd, target if shown else None, prefix, tail if is_err else None
             )
+
+    def retarget(self, mode: Output, target: Writable | None = None) -> None:
+        """Show what comes from now on as ``mode`` says, in ``target`` (a session's ranks
+        outlive each task's panel; default: the current cell's ``sys.stdout``/``stderr``)."""
+        self._mode = mode
+        self._stdout = target or CellStream(sys.stdout)
+        self._stderr = target or CellStream(sys.stderr)
+        for pipe in self._pipes.values():
+            shown = mode == "all" or (mode == "rank0" and pipe.rank == 0)
+            stream = self._stderr if pipe.tail is not None else self._stdout
+            pipe.target = stream if shown else None
+            pipe.prefix = f"[rank {pipe.rank}] " if mode == "all" else ""
 
     def fds(self, rank: int | None = None) -> list[int]:
         """The pipes still open (of one rank, or of all)."""

@@ -21,7 +21,7 @@ import os
 import queue
 import selectors
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from . import payload
@@ -91,9 +91,28 @@ class RankGroup:
         self._stopping = True
         self._wake()
 
-    def send_all(self, message: Any) -> None:
-        """Send ``message`` to every connected rank, from the loop's thread."""
-        self._commands.put(message)
+    def send_all(
+        self, message: Any, fds: Sequence[int] = (), then: Callable[[], None] | None = None
+    ) -> None:
+        """Send ``message`` (and ``fds``) to every connected rank, from the loop's thread;
+        ``then`` runs there once it was sent (e.g. to close what the fds refer to)."""
+        self._commands.put((message, fds, then))
+        self._wake()
+
+    def set_output(self, mode: Output, target: Writable | None = None) -> None:
+        """Where the ranks' output goes from now on (a session's next task)."""
+        assert self._pump is not None
+        self._pump.retarget(mode, target)
+
+    def drain_output(self) -> None:
+        """Pass on what the ranks wrote so far (called on the loop's thread: a session's
+        task is over once a rank's answer arrived, and what it printed before is shown)."""
+        if self._pump is not None:
+            for rank in self.ranks:
+                self._pump.drain(rank)
+
+    def wake(self) -> None:
+        """Make the loop ask the judge again (its state changed on another thread)."""
         self._wake()
 
     def _wake(self) -> None:
@@ -179,9 +198,11 @@ class RankGroup:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 4096)
             while not self._commands.empty():
-                message = self._commands.get()
+                message, fds, then = self._commands.get()
                 for conn in list(self._connections):
-                    self._send(conn, message)
+                    self._send(conn, message, list(fds))
+                if then is not None:
+                    then()
         elif kind == "accept":
             assert self._listener is not None
             pending = self._listener.accept()

@@ -29,9 +29,53 @@ from .errors import NbddpError
 from .forkserver import default_starter
 from .plan import LaunchPlan
 from .processes import Starter
+from .pump import Writable
 from .rankgroup import RankGroup
 from .referee import Referee
 from .wire import JobSpec
+
+
+def local_group(
+    plan: LaunchPlan,
+    call: Call,
+    starter: Starter | None = None,
+    target: Writable | None = None,
+    session: bool = False,
+) -> RankGroup:
+    """The ranks of ``plan`` on this machine, ready to start: their torchrun environment (a
+    fresh rendezvous port, the loopback interface) and their job spec."""
+    starter = starter or default_starter()
+    starter.warm_up()
+    run_id = f"nbddp-{os.getpid()}-{secrets.token_hex(4)}"
+    port = free_port()
+    loopback = interface_of("127.0.0.1")
+    envs = {
+        rank: worker_env(
+            single_node(rank, plan.world_size),
+            port,
+            run_id,
+            device=plan.device,
+            gpus=plan.gpus,
+            user_env=plan.env,
+            interface=loopback,  # one machine: every rank on the loopback interface
+        )
+        for rank in range(plan.world_size)
+    }
+    spec = JobSpec(
+        address="",
+        authkey="",
+        run_id=run_id,
+        sys_path=tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path),
+        cwd=os.getcwd(),
+        device=plan.device,
+        device_index=device_indices(plan.gpus),
+        backend=plan.backend,
+        return_all=plan.return_all,
+        output=plan.output,
+        logging=notebook_logging(),
+        session=session,
+    )
+    return RankGroup(range(plan.world_size), envs, spec, call, starter, plan.output, target)
 
 
 class LocalWorkers:
@@ -48,40 +92,8 @@ class LocalWorkers:
 
     def start(self, events: RunEvents, finish: Finish) -> None:
         """Start every rank and the loop. Cleans up if anything fails."""
-        starter = self._starter or default_starter()
-        starter.warm_up()
         plan = self.plan
-        run_id = f"nbddp-{os.getpid()}-{secrets.token_hex(4)}"
-        port = free_port()
-        loopback = interface_of("127.0.0.1")
-        envs = {
-            rank: worker_env(
-                single_node(rank, plan.world_size),
-                port,
-                run_id,
-                device=plan.device,
-                gpus=plan.gpus,
-                user_env=plan.env,
-                interface=loopback,  # one machine: every rank on the loopback interface
-            )
-            for rank in range(plan.world_size)
-        }
-        spec = JobSpec(
-            address="",
-            authkey="",
-            run_id=run_id,
-            sys_path=tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path),
-            cwd=os.getcwd(),
-            device=plan.device,
-            device_index=device_indices(plan.gpus),
-            backend=plan.backend,
-            return_all=plan.return_all,
-            output=plan.output,
-            logging=notebook_logging(),
-        )
-        group = self._group = RankGroup(
-            range(plan.world_size), envs, spec, self._call, starter, plan.output, events.output
-        )
+        group = self._group = local_group(plan, self._call, self._starter, events.output)
         self._referee = Referee(
             plan.world_size, plan.return_all, plan.timeout, events, broadcast=group.send_all
         )

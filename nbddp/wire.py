@@ -29,6 +29,16 @@ Kernel -> worker:
                                       rendezvous store); after it, a rank that leaves early
                                       is seen by its peers, and reported as the root cause
 
+A session's ranks (``JobSpec.session``) stay up: after the ``Job`` (which carries no call) and
+``Joined``, each runs one task after another, answering every ``Task`` with ``Result``,
+``Failed`` or ``Unsendable``; rank 0 sends ``Names`` just before its answer.
+
+    Task(task, kind, call, sources, shared, return_all, output)   kernel -> rank
+    Interrupt(task)                   KeyboardInterrupt into that task's code, if it still runs
+    Probe()                           asks for a RankStatus, answered even while a task runs
+    RankStatus(rank, busy, memory, device_memory)                  rank -> kernel
+    Names(rank, names)                the names the session's namespace holds on rank 0
+
 Messages are NamedTuples: pickled in a few bytes, immutable, and matched by class in the
 supervisor (``match message: case Rows(rank, first, blocks): ...``).
 """
@@ -157,6 +167,36 @@ class Job(NamedTuple):
     shared: SharedLayout | None
 
 
+class Task(NamedTuple):
+    task: int
+    kind: str  # "function": fn runs with the session namespace as its globals; "cell": a cell
+    call: bytes
+    sources: dict[str, tuple[Any, ...]]
+    shared: SharedLayout | None
+    return_all: bool
+    output: str
+
+
+class Interrupt(NamedTuple):
+    task: int
+
+
+class Probe(NamedTuple):
+    pass
+
+
+class RankStatus(NamedTuple):
+    rank: int
+    busy: bool
+    memory: int  # the process's resident bytes
+    device_memory: int | None  # bytes PyTorch holds on the rank's GPU (None on the CPU)
+
+
+class Names(NamedTuple):
+    rank: int
+    names: tuple[str, ...]
+
+
 class Joined(NamedTuple):
     rank: int
 
@@ -182,6 +222,7 @@ class JobSpec:
     return_all: bool
     output: str = "rank0"  # whose output is shown: other ranks' progress bars stay silent
     logging: tuple[int, str, str | None] | None = None  # the notebook's level, format, datefmt
+    session: bool = False  # the ranks stay up and run Tasks (worker/session.py)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -208,6 +249,11 @@ Message = (
     | Unsendable
     | Job
     | AllJoined
+    | Task
+    | Interrupt
+    | Probe
+    | RankStatus
+    | Names
 )
 
 

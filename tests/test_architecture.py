@@ -27,6 +27,9 @@ KERNEL_SIDE = (
     "nbddp.referee",
     "nbddp.ray_backend",
     "nbddp.ray_cluster",
+    "nbddp.session",
+    "nbddp.session_ranks",
+    "nbddp.session_magic",
 )
 
 
@@ -168,6 +171,7 @@ API = {
     "LaunchTimeout",
     "RayCluster",
     "set_cluster",
+    "Session",
 }
 EXTRA = {"RunStopped", "NbddpWarning"}
 

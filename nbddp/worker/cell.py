@@ -14,6 +14,8 @@ from typing import Any
 from .. import payload
 from .context import is_main
 
+_MISSING = object()
+
 
 @dataclass
 class CellOutcome:
@@ -32,15 +34,30 @@ def run_cell(
     out_names: tuple[str, ...],
     show_last: bool,
     deletes: frozenset[str] = frozenset(),
+    namespace: dict[str, Any] | None = None,
 ) -> CellOutcome | None:
-    """Run on every rank; rank 0 returns what goes back into the notebook namespace."""
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **inputs}
+    """Run on every rank; rank 0 returns what goes back into the notebook namespace.
+
+    In a session, ``namespace`` is the rank's own, kept between cells: a name the cell reads
+    resolves there first, then in ``inputs`` (shipped from the notebook, visible during this
+    cell only, as the notebook may change them); a name the cell assigns stays."""
+    shipped: dict[str, Any] = {}
+    if namespace is None:
+        namespace = {"__name__": "__main__", "__builtins__": builtins, **inputs}
+    else:
+        shipped = {name: value for name, value in inputs.items() if name not in namespace}
+        namespace.update(shipped)
     tree = ast.parse(source, filename)
     last = tree.body.pop() if show_last else None
-    exec(compile(tree, filename, "exec"), namespace)
     shown = None
-    if isinstance(last, ast.Expr):
-        shown = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+    try:
+        exec(compile(tree, filename, "exec"), namespace)
+        if isinstance(last, ast.Expr):
+            shown = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+    finally:
+        for name, value in shipped.items():
+            if namespace.get(name, _MISSING) is value:  # read, not rebound: the notebook's
+                del namespace[name]
     if not is_main():
         return None
     outcome = CellOutcome()

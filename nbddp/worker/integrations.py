@@ -98,10 +98,19 @@ def _apply(patch: Patch, module: ModuleType) -> None:
         )
 
 
+_output = "rank0"  # whose output the current run shows (a session's tasks each say theirs)
+
+
+def set_output(output: str) -> None:
+    global _output
+    _output = output
+
+
 def install(output: str) -> None:
     """Hook the libraries into this rank's panel (``output``: whose output is shown)."""
+    set_output(output)
     patches: dict[str, Patch] = {
-        "tqdm.std": lambda module: _patch_tqdm(module, output),
+        "tqdm.std": _patch_tqdm,
         "tqdm.notebook": _use_plain_tqdm,
         "transformers.trainer": _patch_transformers,
         "lightning.pytorch.trainer.trainer": _patch_lightning,
@@ -117,7 +126,7 @@ def install(output: str) -> None:
 # -- tqdm -------------------------------------------------------------------------------------
 
 
-def _patch_tqdm(module: ModuleType, output: str) -> None:
+def _patch_tqdm(module: ModuleType) -> None:
     cls = module.tqdm
     if getattr(cls, "_nbddp", False):
         return
@@ -127,7 +136,7 @@ def _patch_tqdm(module: ModuleType, output: str) -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         buffer = live.current()
         shows = buffer is not None and rank() == 0
-        if buffer is not None and (shows or output != "all") and not kwargs.get("disable"):
+        if buffer is not None and (shows or _output != "all") and not kwargs.get("disable"):
             kwargs["file"] = _NULL  # the panel shows it (rank 0), or nobody does
             kwargs["disable"] = False  # (None would disable it: the null file is no tty)
         original_init(self, *args, **kwargs)

@@ -12,7 +12,8 @@ import time
 import traceback
 
 from .. import payload
-from ..wire import ErrorReport
+from ..transport import Connection
+from ..wire import Bars, BarSnapshot, Block, ErrorReport, MainRows, Rows
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -61,3 +62,20 @@ def format_user_traceback(exc: BaseException) -> str:
                 f"{type(exc).__name__}: {message_of(exc)}\n",
             ]
         )
+
+
+class ChannelSink:
+    """``nbddp.log`` rows and progress bars, to the kernel."""
+
+    def __init__(self, conn: Connection, rank: int) -> None:
+        self._conn = conn
+        self._rank = rank
+
+    def rows(self, first: int, blocks: list[Block]) -> None:
+        self._conn.send(Rows(self._rank, first, blocks))
+
+    def main_rows(self, rows: list[tuple[int | None, dict[str, float]]]) -> None:
+        self._conn.send(MainRows(self._rank, rows))
+
+    def bars(self, bars: list[BarSnapshot]) -> None:
+        self._conn.send(Bars(self._rank, bars))

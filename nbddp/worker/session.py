@@ -1,0 +1,204 @@
+"""A session's rank: joins the process group once, then runs task after task in one namespace.
+
+The kernel's half is ``nbddp/session.py``. The rank's main thread runs the tasks; a listener
+thread reads the channel, queues each ``Task``, answers a ``Probe`` at once (even while a task
+runs), and turns an ``Interrupt`` into ``KeyboardInterrupt`` in the task's code: a SIGINT sent
+to the main thread, whose handler raises only while a task is running, so an interrupt that
+comes late can never break the rank's own bookkeeping. Code blocked in a native call (a
+collective waiting for a peer) sees it only when the call returns; the kernel restarts ranks
+that do not come back.
+
+When the kernel end closes, the rank kills its own process group at once, as a launch's does.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import queue
+import signal
+import sys
+import threading
+import types
+from typing import Any
+
+from .. import payload
+from ..call import loads_call
+from ..transport import Connection, Frame
+from ..wire import (
+    Failed,
+    Interrupt,
+    Job,
+    JobSpec,
+    Joined,
+    Names,
+    Probe,
+    RankStatus,
+    Task,
+)
+from . import integrations, live
+from .report import ChannelSink, error_report
+from .setup import kill_own_group, prepare, send_result
+
+_MISSING = object()
+
+
+class _Busy:
+    """Which task the main thread runs now (None while idle), read by the SIGINT handler,
+    and the last task interrupted (an interrupt may come before its task started)."""
+
+    def __init__(self) -> None:
+        self.task: int | None = None
+        self.interrupted = 0
+
+    def start(self, task: int) -> None:
+        self.task = task  # first: the listener, which sets ``interrupted`` first, sees one
+        if self.interrupted >= task:
+            raise KeyboardInterrupt
+
+    def interrupt(self, task: int) -> None:
+        self.interrupted = max(self.interrupted, task)
+        if self.task == task:
+            main = threading.main_thread().ident
+            assert main is not None
+            signal.pthread_kill(main, signal.SIGINT)  # wakes a sleep, unlike a flag
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        if self.task is not None:
+            raise KeyboardInterrupt
+
+
+def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
+    """Join the process group, then run tasks until the kernel closes the channel."""
+    import torch.distributed as dist
+
+    from .context import installed
+
+    frame = conn.recv()
+    if not isinstance(frame.message, Job):
+        return 1
+    payload.install_sources(frame.message.sources)
+    busy = _Busy()
+    tasks: queue.SimpleQueue[Frame] = queue.SimpleQueue()
+    threading.Thread(
+        target=_listen, args=(conn, rank, tasks, busy, spec), name="nbddp-session", daemon=True
+    ).start()
+    try:
+        context = prepare(spec, rank, conn)
+        dist.init_process_group(
+            backend=spec.backend, init_method="env://", rank=rank, world_size=context.world_size
+        )
+    except BaseException as exc:
+        conn.send(Failed(rank, error_report(exc)))
+        return 1
+    conn.send(Joined(rank))
+    integrations.install(spec.output)
+    signal.signal(signal.SIGINT, busy.on_sigint)
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    with installed(context):
+        while True:
+            try:
+                _run_task(tasks.get(), rank, conn, namespace, busy)
+            except KeyboardInterrupt:  # came after the task ended: nothing left to stop
+                continue
+
+
+def _run_task(
+    frame: Frame, rank: int, conn: Connection, namespace: dict[str, Any], busy: _Busy
+) -> None:
+    task = frame.message
+    assert isinstance(task, Task)
+    buffer = live.LiveBuffer(ChannelSink(conn, rank))
+    live.install(buffer)
+    integrations.set_output(task.output)
+    report = None
+    value = None
+    try:
+        payload.install_sources(task.sources)
+        fn, args, kwargs = loads_call(task.call, task.shared, frame.fds)
+        del frame  # nothing here keeps the pickled call while fn runs
+        task = task._replace(call=b"")
+        try:
+            busy.start(task.task)
+            if task.kind == "cell":
+                value = fn(*args, namespace=namespace, **kwargs)
+            else:
+                value = call_in(namespace, fn, args, kwargs)
+        finally:
+            busy.task = None
+            buffer.close()  # every logged row reaches the kernel before the outcome
+    except SystemExit as exc:  # the session goes on: exit(0) ends the task, not the rank
+        if exc.code not in (None, 0):
+            report = error_report(exc)
+    except BaseException as exc:
+        report = error_report(exc)
+    finally:
+        live.install(None)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    if rank == 0:
+        conn.send(Names(rank, tuple(n for n in namespace if not n.startswith("__"))))
+    if report is not None:
+        conn.send(Failed(rank, report))
+    else:
+        send_result(conn, rank, value, False, rank == 0 or task.return_all)
+
+
+def call_in(
+    namespace: dict[str, Any], fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Call a notebook-defined ``fn`` with the session namespace as its globals: a global it
+    reads resolves here first, then to what was shipped with it; a global it assigns stays
+    for later tasks. Shipped values are visible only during the call (the notebook may change
+    them before the next one). A function from an importable module runs as it is."""
+    if not isinstance(fn, types.FunctionType) or fn.__module__ != "__main__":
+        return fn(*args, **kwargs)
+    added = {}
+    for name, value in fn.__globals__.items():
+        if name not in namespace and not name.startswith("__"):
+            namespace[name] = added[name] = value
+    bound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    bound.__kwdefaults__ = fn.__kwdefaults__
+    bound.__qualname__ = fn.__qualname__
+    bound.__dict__.update(fn.__dict__)
+    try:
+        return bound(*args, **kwargs)
+    finally:
+        for name, value in added.items():
+            if namespace.get(name, _MISSING) is value:
+                del namespace[name]
+
+
+def _listen(
+    conn: Connection,
+    rank: int,
+    tasks: queue.SimpleQueue[Frame],
+    busy: _Busy,
+    spec: JobSpec,
+) -> None:
+    try:
+        while True:
+            frame = conn.recv()
+            match frame.message:
+                case Task():
+                    tasks.put(frame)
+                case Interrupt(task=task):
+                    busy.interrupt(task)
+                case Probe():
+                    conn.send(_status(rank, busy, spec))
+    except (EOFError, OSError):
+        pass
+    kill_own_group()
+
+
+def _status(rank: int, busy: _Busy, spec: JobSpec) -> RankStatus:
+    with open("/proc/self/statm") as f:
+        resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    device_memory = None
+    if spec.device == "cuda" and "torch" in sys.modules:
+        import torch
+
+        device_memory = int(torch.cuda.memory_reserved())
+    return RankStatus(rank, busy.task is not None, resident, device_memory)

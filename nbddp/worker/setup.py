@@ -1,0 +1,77 @@
+"""What every rank does, launched or in a session: adopt the notebook's paths and logging, set
+up its device, report its value, and end its whole process group when the kernel is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+from .. import payload
+from ..errors import SerializationError
+from ..transport import Connection
+from ..wire import DeviceName, JobSpec, Result, Unsendable
+
+
+def kill_own_group() -> None:
+    """The kernel is gone, so is this rank, at once, with DataLoader workers and the like."""
+    if os.getpgrp() == os.getpid():  # we lead our group: take DataLoader workers along
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
+def _adopt_kernel_logging(spec: JobSpec) -> None:
+    """The notebook's ``logging.basicConfig(...)``, here too: ``logger.info`` in fn prints as
+    it would in the notebook (to stderr; rank 0's is shown, like print)."""
+    if spec.logging is not None:
+        import logging
+
+        level, fmt, datefmt = spec.logging
+        logging.basicConfig(level=level, format=fmt, datefmt=datefmt, stream=sys.stderr, force=True)
+
+
+def _adopt_kernel_paths(spec: JobSpec) -> None:
+    """Import what the notebook can import: its sys.path entries, its working directory."""
+    for entry in reversed(spec.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(1, entry)
+    os.chdir(spec.cwd)
+
+
+def prepare(spec: JobSpec, rank: int, conn: Connection) -> Any:
+    """What a rank sets up before the process group: the notebook's paths and logging, its
+    device (named to the kernel by rank 0), and the ``nbddp.rank()`` context to install."""
+    import torch
+
+    from .context import Context
+
+    _adopt_kernel_paths(spec)
+    _adopt_kernel_logging(spec)
+    if spec.device == "cuda":
+        device = torch.device("cuda", spec.device_index[rank])
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if rank == 0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        conn.send(DeviceName(rank, name))
+    return Context(
+        rank=rank,
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        device=device,
+    )
+
+
+def send_result(conn: Connection, rank: int, value: Any, early: bool, wanted: bool) -> bool:
+    """The rank's value (pickled only when ``wanted``), or why it cannot travel; True if sent."""
+    try:
+        stream, buffers = (
+            payload.dumps_oob(value, what="the result", root="result") if wanted else (None, [])
+        )
+    except SerializationError as exc:
+        conn.send(Unsendable(rank, exc.path, exc.reason))
+        return False
+    conn.send(Result(rank, stream, early), buffers)
+    return True
