@@ -34,7 +34,9 @@ from .call import Call
 from .environment import Place, free_port, interface_of, worker_env
 from .forkserver import WarmStarter
 from .rankgroup import RankGroup
-from .wire import JobSpec, Output, Printed, RankEvent, Received, Result
+from .wire import Failed, JobSpec, Output, Printed, RankEvent, Received, Result, Task, Unsendable
+
+_ANSWERS = (Result, Failed, Unsendable)
 
 
 class _Forwarder:
@@ -44,10 +46,14 @@ class _Forwarder:
         self._events: list[RankEvent] = []
         self._changed = threading.Condition()
         self.over = False
+        self.group: RankGroup | None = None
 
     def event(self, event: RankEvent) -> None:
-        if isinstance(event, Received) and isinstance(event.message, Result):
-            event = event._replace(buffers=[_portable(b) for b in event.buffers])
+        if isinstance(event, Received) and isinstance(event.message, _ANSWERS):
+            if self.group is not None:  # what the rank printed first goes first
+                self.group.drain_output()
+            if isinstance(event.message, Result):
+                event = event._replace(buffers=[_portable(b) for b in event.buffers])
         with self._changed:
             self._events.append(event)
             self._changed.notify_all()
@@ -170,6 +176,7 @@ class NodeHelper:
         group = RankGroup(
             [p.rank for p in places], envs, spec, call, self._starter, output, forwarder
         )
+        forwarder.group = group
         self._starter.warm_up()
         group.start()
         run = self._runs[run_id] = _NodeRun(group, forwarder)
@@ -188,6 +195,20 @@ class NodeHelper:
         run = self._runs.get(run_id)
         if run is not None:
             run.group.send_all(message)
+
+    def send_task(self, run_id: str, task: Task, buffers: list[Any]) -> None:
+        """A session's task to this node's ranks, its tensors in a segment they map."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return
+        segment = shared.Segment([memoryview(b) for b in buffers]) if buffers else None
+        call = Call(task.call, segment)
+        run.group.send_all(task._replace(shared=call.layout), call.fds, then=call.close)
+
+    def set_output(self, run_id: str, mode: Output) -> None:
+        run = self._runs.get(run_id)
+        if run is not None:
+            run.group.set_output(mode, run.forwarder)
 
     def stop(self, run_id: str) -> None:
         """End the node's ranks of this launch and everything they started; returns when

@@ -44,8 +44,9 @@ _POLL = 0.05  # seconds a node's poll waits for news
 class RayWorkers:
     """One launch's ranks on the nodes of a Ray cluster."""
 
-    def __init__(self, plan: LaunchPlan, call: Call) -> None:
+    def __init__(self, plan: LaunchPlan, call: Call, session: bool = False) -> None:
         self.plan = plan
+        self._session = session  # the ranks stay up and run tasks (a Session's)
         self._call: Call | None = call
         cluster = plan.cluster
         assert isinstance(cluster, RayCluster)
@@ -58,6 +59,7 @@ class RayWorkers:
         self._started: list[int] = []  # node ranks whose ranks were started
         self._referee: Referee | None = None
         self._stop = threading.Event()
+        self.pids: dict[int, int] = {}
 
     # -- the Backend protocol --------------------------------------------------------------
 
@@ -65,10 +67,20 @@ class RayWorkers:
         """Reserve, check, start every node's ranks and the poller; cleans up on failure.
         Interruptible throughout: an interrupt ends whatever had started."""
         try:
-            self._start(events)
+            self.start_ranks()
         except BaseException:
             self._teardown()
             raise
+        plan = self.plan
+        self._referee = Referee(
+            plan.world_size,
+            plan.return_all,
+            plan.timeout,
+            events,
+            broadcast=self.send_all,
+            started_groups=plan.nodes,
+            node_of=lambda rank: self.nodes[rank // plan.workers_per_node],
+        )
         threading.Thread(
             target=self._supervise, args=(finish,), name="nbddp-ray-supervisor", daemon=True
         ).start()
@@ -78,7 +90,8 @@ class RayWorkers:
 
     # -- start -----------------------------------------------------------------------------
 
-    def _start(self, events: RunEvents) -> None:
+    def start_ranks(self) -> None:
+        """Reserve, check and start every node's ranks (the caller tears down on failure)."""
         plan, cluster = self.plan, self._cluster
         ray = cluster.connect()
         self._reserve(ray)
@@ -102,6 +115,7 @@ class RayWorkers:
             return_all=plan.return_all,
             output=plan.output,
             logging=notebook_logging(),
+            session=self._session,
         )
         import numpy as np
 
@@ -137,18 +151,10 @@ class RayWorkers:
                 # rank 0 hosts the rendezvous store: a peer that knocks before it listens
                 # backs off for up to a second (torch's TCPStore), so node 0 goes first
                 ray.get(starts[0])
-        ray.get(starts)
+        for pids in ray.get(starts):
+            self.pids.update(pids)
         self._call = None  # every node has it: the kernel keeps no copy
         call.close()
-        self._referee = Referee(
-            plan.world_size,
-            plan.return_all,
-            plan.timeout,
-            events,
-            broadcast=self._broadcast,
-            started_groups=plan.nodes,
-            node_of=lambda rank: self.nodes[rank // per_node],
-        )
 
     def _reserve(self, ray: Any) -> None:
         from ray.util import placement_group, placement_group_table
@@ -195,14 +201,49 @@ class RayWorkers:
 
     # -- the loop --------------------------------------------------------------------------
 
-    def _broadcast(self, message: Any) -> None:
+    def send_all(self, message: Any) -> None:
         for helper in self._helpers:
             helper.send_all.remote(self._run_id, message)
 
+    def send_task(self, task: Any, call: Call) -> None:
+        """A session's task to every node: the call's bytes once into the object store."""
+        import numpy as np
+        import ray
+
+        data = ray.put([np.frombuffer(b, dtype=np.uint8) for b in call.buffers])
+        for helper in self._helpers:
+            helper.send_task.remote(self._run_id, task, data)
+        call.close()
+
+    def set_output(self, mode: Any, target: Any = None) -> None:
+        """Whose output the nodes forward from now on (the kernel shows it in the task's
+        target: forwarded text arrives as ``Printed`` events)."""
+        for helper in self._helpers:
+            helper.set_output.remote(self._run_id, mode)
+
+    def drain_output(self) -> None:
+        """Nothing to do here: a node passes on a rank's output before its answer."""
+
+    def wake(self) -> None:
+        """Nothing to do here: the poll loop looks at its judge at least every 0.2 s."""
+
+    def serve(self, judge: Any) -> Any:
+        """Poll the nodes, feeding ``judge``, until its verdict (returned) or ``stop`` (None);
+        tears down. A session's loop."""
+        try:
+            return self._watch(judge, on_stop=None)
+        finally:
+            self._teardown()
+
+    def teardown(self) -> None:
+        self._teardown()
+
     def _supervise(self, finish: Finish) -> None:
         result = Outcome("failed")
+        referee = self._referee
+        assert referee is not None
         try:
-            result = self._watch()
+            result = self._watch(referee, on_stop=referee.stop)
         except BaseException as exc:  # a bug of ours must still end the run cleanly
             error = NbddpError(f"nbddp's cluster supervisor failed: {exc!r} (see the cause)")
             error.__cause__ = exc
@@ -211,15 +252,14 @@ class RayWorkers:
             self._teardown()
             finish(result)
 
-    def _watch(self) -> Outcome:
+    def _watch(self, judge: Any, on_stop: Any) -> Any:
+        """``on_stop``: how a stop reaches the judge (None: the loop just ends)."""
         import ray
         from ray.exceptions import RayError
 
-        referee = self._referee
-        assert referee is not None
         polls = {h.poll.remote(self._run_id, _POLL): i for i, h in enumerate(self._helpers)}
         while True:
-            deadline = referee.deadline()
+            deadline = judge.deadline()
             wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
             ready, _ = ray.wait(list(polls), num_returns=1, timeout=wait) if polls else ([], [])
             if not polls:
@@ -229,33 +269,34 @@ class RayWorkers:
                 try:
                     happened, over = ray.get(ref)
                 except RayError as exc:  # the helper died: its node, or it, was lost
-                    self._lost(node_rank, exc)
+                    self._lost(judge, node_rank, exc)
                     continue
                 for event in happened:
-                    referee.event(event)
+                    judge.event(event)
                 if not over:
                     helper = self._helpers[node_rank]
                     polls[helper.poll.remote(self._run_id, _POLL)] = node_rank
             if self._stop.is_set():
-                referee.stop()
-            verdict = referee.verdict()
+                if on_stop is None:
+                    return None
+                on_stop()
+            verdict = judge.verdict()
             if verdict is not None:
                 return verdict
 
-    def _lost(self, node_rank: int, error: Exception) -> None:
-        referee = self._referee
-        assert referee is not None
+    def _lost(self, judge: Any, node_rank: int, error: Exception) -> None:
         per_node = self.plan.workers_per_node
         address = self.nodes[node_rank]
         self._cluster.forget(self._node_ids[node_rank])
         first = node_rank * per_node
-        referee.tracker.node_lost(
-            range(first, first + per_node),
-            address,
-            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
-        )
+        if isinstance(judge, Referee):
+            judge.tracker.node_lost(
+                range(first, first + per_node),
+                address,
+                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            )
         for rank in range(first, first + per_node):
-            referee.event(Ended(rank, None, ""))
+            judge.event(Ended(rank, None, ""))
 
     # -- the end ---------------------------------------------------------------------------
 

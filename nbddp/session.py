@@ -9,7 +9,9 @@ survive; ranks that do not come back within ``GRACE`` seconds (stuck in a collec
 for a peer that failed) or a rank that died are replaced by fresh ones, and the user is told
 that the state on the ranks is lost.
 
-The ranks are processes even with one rank (the namespace is theirs, not the notebook's).
+The ranks are processes even with one rank (the namespace is theirs, not the notebook's). On a
+Ray cluster (``cluster=``, or ``nbddp.set_cluster``) each node's helper keeps its ranks up for
+the session, and tasks reach them through it.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from .call import Call, dumps_call
 from .errors import NbddpError, WorkerError, warn_user
 from .launch import check_call, stop_despite_interrupts
 from .plan import LaunchPlan, make_plan, with_run_options
-from .ray_cluster import resolve as resolve_cluster
 from .run import Run, remember
-from .session_ranks import GRACE, SessionRanks, TaskReferee, TaskVerdict
+from .session_ranks import SessionRanks
+from .task_referee import GRACE, TaskReferee, TaskVerdict
 
 _current: Session | None = None
 
@@ -61,12 +63,6 @@ class Session:
         nodes: int | str = "auto",
         workers_per_node: int | str = "auto",
     ) -> None:
-        if resolve_cluster(cluster) is not None:  # before anything connects to it
-            raise ValueError(
-                "sessions run on this machine only in this release: pass cluster=None (and "
-                "nbddp.set_cluster(None) if a default cluster is set). Launches and %%ddp "
-                "cells do run on a Ray cluster."
-            )
         plan = make_plan(
             num_workers=num_workers,
             device=device,
@@ -95,6 +91,12 @@ class Session:
         """The ranks are up (idle or running a task)."""
         ranks = self._holder[0]
         return not self._closed and ranks is not None and ranks.alive
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The machines' addresses, in node-rank order (``("localhost",)`` on this one)."""
+        ranks = self._holder[0]
+        return ranks.nodes if ranks is not None else ()
 
     @property
     def names(self) -> frozenset[str]:
@@ -147,7 +149,12 @@ class Session:
         check_call(fn, args, kwargs)
         plan = self._options(timeout, display, output, return_all, block)
         ranks = self._ready_ranks()
-        call = dumps_call(_without_names(fn, ranks.names), tuple(args), dict(kwargs or {}))
+        call = dumps_call(
+            _without_names(fn, ranks.names),
+            tuple(args),
+            dict(kwargs or {}),
+            segment=self._plan.cluster is None,  # on a cluster, Ray's object store carries them
+        )
         return self._run("function", call, plan, ranks)
 
     def run_cell(
@@ -173,7 +180,7 @@ class Session:
         )
         ranks = self._ready_ranks()
         cell_args = (source, filename, inputs, out_names, show_last, deletes)
-        call = dumps_call(run_cell, cell_args, {}, names=inputs)
+        call = dumps_call(run_cell, cell_args, {}, names=inputs, segment=self._plan.cluster is None)
         return self._run("cell", call, plan, ranks)
 
     def pull(self, *names: str) -> dict[str, Any]:
@@ -289,7 +296,11 @@ class Session:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("alive" if self.alive else "ranks ended")
-        return f"<nbddp.Session {self.world_size} × {self.device} ({self.backend}), {state}>"
+        plan = self._plan
+        where = f"{self.world_size} × {self.device}"
+        if plan.cluster is not None:
+            where = f"{plan.nodes} nodes × {plan.workers_per_node} {self.device}"
+        return f"<nbddp.Session {where} ({self.backend}), {state}>"
 
 
 def _close(holder: list[SessionRanks | None]) -> None:
@@ -317,10 +328,9 @@ def restart_note(verdict: TaskVerdict, what: str) -> str:
 class _SessionTask:
     """The :class:`~nbddp.backend.Backend` of one session task: the ranks already run."""
 
-    nodes: tuple[str, ...] = ("localhost",)
-
     def __init__(self, ranks: SessionRanks, kind: str, call: Call, plan: LaunchPlan) -> None:
         self._ranks = ranks
+        self.nodes = ranks.nodes
         self._kind = kind
         self._call = call
         self._plan = plan
@@ -351,10 +361,21 @@ class _SessionTask:
             self._ranks.stop_task(self._referee)
 
 
+def _by_value(fn: types.FunctionType) -> bool:
+    """Shipped with its globals (the notebook's functions), not imported by name."""
+    import cloudpickle
+
+    module = fn.__module__
+    registered = cloudpickle.list_registry_pickle_by_value()
+    return module == "__main__" or any(
+        module == m or module.startswith(m + ".") for m in registered
+    )
+
+
 def _without_names(fn: Any, names: frozenset[str]) -> Any:
     """``fn`` without the notebook globals the ranks hold already: those resolve there, so
     shipping them would only copy (a model, a dataset) for nothing."""
-    if not isinstance(fn, types.FunctionType) or fn.__module__ != "__main__" or not names:
+    if not isinstance(fn, types.FunctionType) or not names or not _by_value(fn):
         return fn
     shared = names.intersection(fn.__globals__)
     if not shared:

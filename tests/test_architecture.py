@@ -30,6 +30,7 @@ KERNEL_SIDE = (
     "nbddp.session",
     "nbddp.session_ranks",
     "nbddp.session_magic",
+    "nbddp.task_referee",
 )
 
 

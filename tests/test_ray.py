@@ -267,3 +267,59 @@ def test_a_ddp_cell_runs_on_the_cluster_from_a_kernel(cluster, kernel_factory):
         assert out.strip() == f"{2 * base + 1}.0 0 ('{NODE_IP}', '{NODE_IP}')"
     finally:
         kernel.shutdown()
+
+
+# -- sessions on the cluster ---------------------------------------------------------------
+
+
+def count_on_rank():
+    global counter
+    try:
+        counter += 1  # left by the previous run, on the rank
+    except NameError:
+        counter = 1
+    print(f"rank {nbddp.rank()} counted {counter}")
+    return counter
+
+
+def rank_one_raises():
+    if nbddp.rank() == 1:
+        raise ValueError("rank 1 on its node")
+    return "fine"
+
+
+def rank_one_raises_while_rank_zero_waits():
+    import torch
+    import torch.distributed as dist
+
+    if nbddp.rank() == 1:
+        time.sleep(1)  # rank 0 is in the collective by then
+        raise ValueError("rank 1 fails first")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_session_keeps_its_ranks_on_every_node(cluster, capsys):
+    with nbddp.Session(cluster="ray", device="cpu") as session:
+        assert repr(session) == "<nbddp.Session 2 nodes × 1 cpu (gloo), alive>"
+        assert session.nodes == (NODE_IP, NODE_IP)
+        first = {row["pid"] for row in session.status()}
+        for expected in (1, 2, 3):
+            values = session.run(count_on_rank, return_all=True, display="none")
+            assert values == [expected, expected]
+        assert "rank 0 counted 3" in capsys.readouterr().out  # rank 0's print, forwarded
+        with pytest.raises(ValueError, match="rank 1 on its node") as raised:
+            session.run(rank_one_raises, display="none")
+        assert raised.value.node == NODE_IP and "restarted" not in str(raised.value)
+        assert session.run(count_on_rank, display="none") == 4  # the state survived
+        assert {row["pid"] for row in session.status()} == first  # the very same processes
+
+
+def test_a_stuck_session_on_the_cluster_restarts_with_fresh_ranks(cluster):
+    with nbddp.Session(cluster="ray", device="cpu") as session:
+        session.run(count_on_rank, display="none")
+        first = {row["pid"] for row in session.status()}
+        with pytest.raises(WorkerError, match="The session was restarted"):
+            session.run(rank_one_raises_while_rank_zero_waits, display="none")
+        assert session.alive
+        assert not first & {row["pid"] for row in session.status()}
+        assert session.run(count_on_rank, return_all=True, display="none") == [1, 1]

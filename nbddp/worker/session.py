@@ -152,8 +152,8 @@ def call_in(
     """Call a notebook-defined ``fn`` with the session namespace as its globals: a global it
     reads resolves here first, then to what was shipped with it; a global it assigns stays
     for later tasks. Shipped values are visible only during the call (the notebook may change
-    them before the next one). A function from an importable module runs as it is."""
-    if not isinstance(fn, types.FunctionType) or fn.__module__ != "__main__":
+    them before the next one). A function of a module imported here runs as it is."""
+    if not isinstance(fn, types.FunctionType) or _of_a_module(fn):
         return fn(*args, **kwargs)
     added = {}
     for name, value in fn.__globals__.items():
@@ -169,6 +169,13 @@ def call_in(
         for name, value in added.items():
             if namespace.get(name, _MISSING) is value:
                 del namespace[name]
+
+
+def _of_a_module(fn: types.FunctionType) -> bool:
+    """Pickled by reference: its globals are an imported module's own (not the notebook's
+    names, shipped by value)."""
+    module = sys.modules.get(fn.__module__)
+    return module is not None and getattr(module, "__dict__", None) is fn.__globals__
 
 
 def _listen(
