@@ -28,6 +28,15 @@ def is_warm_helper(proc: psutil.Process) -> bool:
         return False
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie waiting for its parent to reap it has ended, and
+    one reaped between two looks (the warm helper reaps its ranks on its own) is gone."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def blocks(*rows: tuple) -> list:
     """Rows ``(epoch, {name: value})`` as a worker sends them: runs of rows with the same
     epoch and keys, a list of values per key."""

@@ -6,17 +6,13 @@ import signal
 import time
 
 import psutil
-from conftest import is_warm_helper
+from conftest import is_warm_helper, running
 
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [
-            p
-            for p in pids
-            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
+        alive = [p for p in pids if running(p)]
         if not alive:
             return []
         time.sleep(0.05)

@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+from conftest import running
 
 import nbddp
 from nbddp import LaunchTimeout, RunStopped, WorkerError
@@ -121,7 +122,7 @@ def test_ranks_run_on_different_nodes_and_see_the_torchrun_environment(cluster, 
     assert nbddp.last_run().nodes == (NODE_IP, NODE_IP)
     assert nbddp.notebook_launch(where_am_i, **RAY)["rank"] == 0  # rank 0's alone
     for facts in ranks:
-        assert not psutil.pid_exists(facts["pid"]), "a rank outlived its launch"
+        assert not running(facts["pid"]), "a rank outlived its launch"
 
 
 def logs_per_rank(steps: int) -> None:

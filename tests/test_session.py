@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import running
 
 import nbddp
 from nbddp.task_referee import GRACE
@@ -149,7 +150,7 @@ def test_a_rank_stuck_in_a_collective_after_a_peer_raised_is_restarted(session):
     assert "rank 0 did not return to idle" in message
     assert session.alive
     assert not old & {row["pid"] for row in session.status()}  # fresh processes
-    assert not any(psutil.pid_exists(p) for p in old)
+    assert not any(running(p) for p in old)
     assert session.run(count, return_all=True, **OPTIONS) == [1, 1]  # a fresh namespace
 
 
@@ -241,7 +242,7 @@ def test_close_leaves_nothing_and_a_closed_session_says_so():
     session.close()
     session.close()  # idempotent
     assert not session.alive and "closed" in repr(session)
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+    assert not any(running(p) for p in pids)
     with pytest.raises(nbddp.NbddpError, match="closed: start a new one"):
         session.run(count)
     session.restart()  # a closed session can be brought back
@@ -257,7 +258,7 @@ def test_garbage_sessions_end_their_ranks():
 
     gc.collect()
     time.sleep(0.5)
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+    assert not any(running(p) for p in pids)
 
 
 @pytest.mark.parametrize(

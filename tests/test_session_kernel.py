@@ -7,7 +7,7 @@ import time
 
 import psutil
 import pytest
-from conftest import is_warm_helper
+from conftest import is_warm_helper, running
 
 
 @pytest.fixture
@@ -184,6 +184,6 @@ def test_shutting_the_kernel_down_leaves_no_rank(kernel_factory):
     finally:
         doomed.shutdown()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in ranks):
+    while time.monotonic() < deadline and any(running(p) for p in ranks):
         time.sleep(0.05)
-    assert not [p for p in ranks if psutil.pid_exists(p)]
+    assert not [p for p in ranks if running(p)]
