@@ -48,6 +48,8 @@ def train_steps(
     else:
         for _ in range(steps):
             _step(model, optimizer, next(batches))
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the GPU's queued steps count too
     return steps / (time.perf_counter() - started)
 
 
@@ -58,6 +60,17 @@ def _step(model, optimizer, batch) -> torch.Tensor:
     loss.backward()
     optimizer.step()
     return loss.detach()
+
+
+class _on:
+    """A loader whose batches are moved to ``device`` (what nbddp.prepare_loader does)."""
+
+    def __init__(self, device: str, loader: DataLoader) -> None:
+        self.device, self.loader, self.sampler = device, loader, loader.sampler
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield [t.to(self.device, non_blocking=True) for t in batch]
 
 
 def _forever(loader):
@@ -78,16 +91,24 @@ def nbddp_run(steps: int) -> float:
     return train_steps(model, loader, steps, live=True)
 
 
-def torchrun_main(steps: int) -> None:
-    """Under torchrun: the hand-written way."""
+def torchrun_main(steps: int, device: str = "cpu", backend: str = "gloo") -> None:
+    """Under torchrun: the hand-written way (``device="cuda"``: each rank on the GPU of its
+    ``LOCAL_RANK``, modulo the GPUs there are, so 2 ranks can share one GPU with gloo)."""
+    import os
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo")
-    model = DistributedDataParallel(SmallCNN())
+    dist.init_process_group(backend)
+    if device == "cuda":
+        index = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        model = DistributedDataParallel(SmallCNN().cuda(), device_ids=[index])
+    else:
+        model = DistributedDataParallel(SmallCNN())
     data = dataset()
     sampler = DistributedSampler(data, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=64, sampler=sampler)
+    loader = _on(device, DataLoader(data, batch_size=64, sampler=sampler))
     rate = train_steps(model, loader, steps)
     if dist.get_rank() == 0:
         print(f"RATE {rate}", flush=True)

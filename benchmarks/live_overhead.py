@@ -36,6 +36,7 @@ import torch
 
 import nbddp
 from nbddp.display import text as text_view
+from nbddp.display.state import RunSnapshot
 
 ROUNDS = 24
 LAUNCHES = 3  # the overhead moves between launches by more than within one
@@ -119,12 +120,12 @@ def _measure(kind: str, steps: int, workers: int) -> tuple[dict[str, list[float]
 
     seen: set[float] = set()
 
-    def render(view: text_view.TextView) -> None:  # record, then draw as usual
-        t = view._state.metrics.latest.get("t")
+    def render(view: text_view.TextView, snapshot: RunSnapshot) -> None:  # record, then draw
+        t = snapshot.latest.get("t")
         if t is not None and t not in seen:  # a render that shows a newly logged value
             seen.add(t)
             latencies.append(time.time() - t)
-        original(view)
+        original(view, snapshot)
 
     text_view.TextView.render = render  # type: ignore[method-assign]
     try:
@@ -171,6 +172,8 @@ def run(launches: int = LAUNCHES) -> str:
                 f"{_spread([_paired(rates, 'read', _slowdown) for rates in runs])} | "
                 f"{_spread([_paired(rates, 'plain again', _slowdown) for rates in runs])} |"
             )
+    if not all_latencies:
+        raise RuntimeError("no render showed a logged value: did TextView.render change?")
     all_latencies.sort()
     p50 = all_latencies[len(all_latencies) // 2] * 1000
     p95 = all_latencies[int(len(all_latencies) * 0.95)] * 1000

@@ -261,6 +261,7 @@ def main() -> None:
     quick = "--quick" in sys.argv
     import cluster
     import data
+    import gpu
     import live_overhead
     import session
 
@@ -283,6 +284,7 @@ def main() -> None:
         ("5. Data in and out: a captured 1 GB global, a returned 1 GiB tensor", data.run(quick)),
         ("6. Ray cluster launches (two simulated nodes)", _cluster(cluster, quick)),
         ("7. Session cells, from a real kernel", session.run(quick)),
+        ("8. On a GPU: NCCL (or gloo sharing one GPU)", gpu.run(quick)),
     ]
     text = (
         "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n"

@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,6 +56,7 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in env}
     made_group = False
     previous_cuda = None
+    excepthook = sys.excepthook
     try:
         with interrupts.deferred():  # the world is built whole; the finally takes it down
             os.environ.update(env)
@@ -69,15 +71,24 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
             yield
     finally:
         with interrupts.deferred():
-            _restore(saved, made_group, previous_cuda)
+            _restore(saved, made_group, previous_cuda, excepthook)
 
 
-def _restore(saved: dict[str, str | None], made_group: bool, previous_cuda: int | None) -> None:
+def _restore(
+    saved: dict[str, str | None],
+    made_group: bool,
+    previous_cuda: int | None,
+    excepthook: Callable[..., Any],
+) -> None:
     import torch
     import torch.distributed as dist
 
     if made_group and dist.is_initialized():
         dist.destroy_process_group()
+    if made_group and getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+        # init_process_group wraps sys.excepthook to prefix "[rank0]: " and nothing unwraps
+        # it: each in-kernel launch would add one more prefix to the kernel's tracebacks.
+        sys.excepthook = excepthook
     if previous_cuda is not None:
         torch.cuda.set_device(previous_cuda)
     for name, value in saved.items():

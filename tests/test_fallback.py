@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -41,6 +42,14 @@ def test_one_worker_runs_in_the_kernel_with_a_world_of_one():
     }
     assert not dist.is_initialized() and "RANK" not in os.environ  # state as before
     assert nbddp.last_run().status == "succeeded" and nbddp.last_run().world_size == 1
+
+
+def test_the_kernels_excepthook_is_left_as_it_was():
+    # torch's init_process_group wraps sys.excepthook ("[rank0]: " on every line) for good
+    hook = sys.excepthook
+    for _ in range(3):
+        nbddp.notebook_launch(describe_world, num_workers=1, device="cpu", display="none")
+    assert sys.excepthook is hook
 
 
 def test_auto_without_gpu_is_the_fallback():
