@@ -4,9 +4,9 @@
 
 1. A notebook global of 1 GB (a torch tensor, then a numpy array) read by ``fn`` on 2 CPU
    ranks: launch time over the trivial launch, and the machine's memory in use (every
-   process, shared memory included: MemTotal - MemAvailable) above what it was before the
-   launch, at its peak and while every rank holds the data. Next to Accelerate's fork-based
-   launcher, which shares the kernel's memory copy-on-write, on the same data.
+   process's anonymous memory and all shared memory: AnonPages + Shmem) above what it was
+   before the launch, at its peak and while every rank holds the data. Next to Accelerate's
+   fork-based launcher, which shares the kernel's memory copy-on-write, on the same data.
 2. A 1 GiB tensor returned by rank 0: the kernel's peak memory over the tensor's size, and
    the time, next to copying the same tensor within the kernel.
 
@@ -29,8 +29,11 @@ import json, sys, threading, time
 import numpy as np, torch
 
 def used():
-    fields = dict(line.split(":", 1) for line in open("/proc/meminfo"))
-    return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) * 1024
+    # every process's private memory and all shared memory, machine-wide (page cache and the
+    # kernel's own caches, which move on their own, left out; MemAvailable would count most
+    # of a memfd's pages as available)
+    f = {k: int(v.split()[0]) * 1024 for k, v in (x.split(":", 1) for x in open("/proc/meminfo"))}
+    return f["AnonPages"] + f["Shmem"]
 
 launcher, kind, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if kind == "tensor":
@@ -67,11 +70,23 @@ else:
     import tempfile
     out_file = tempfile.NamedTemporaryFile("w+", delete=False)
     def launch():
+        out_file.seek(0); out_file.truncate()  # each launch's rank 0 writes its own value
         notebook_launcher(wrapped, num_processes=2)
         out_file.seek(0)
         return json.loads(out_file.read())
-time.sleep(2)
-before = used()
+def settled():
+    # the previous case's processes free their memory after they exited: wait until the
+    # machine's level stops moving, or that freeing would count against this launch
+    last = used()
+    for _ in range(60):
+        time.sleep(0.5)
+        now = used()
+        if abs(now - last) < 20 * 2**20:
+            return now
+        last = now
+    return last
+time.sleep(1)
+before = settled()
 peak = [before]
 stop = threading.Event()
 def sample():
@@ -160,9 +175,9 @@ def capture(rounds: int, size: int) -> str:
         )
     rows += [
         "",
-        f"Memory: the whole machine's (MemTotal - MemAvailable, every process and shared "
-        f"memory) above its level before the launch, over the data's size ({size / GB:.0f} GB "
-        "in the kernel already); medians of "
+        "Memory: the whole machine's (AnonPages + Shmem: every process's own memory and all "
+        "shared memory) above its level before the launch, over the data's size "
+        f"({size / GB:.0f} GB in the kernel already); medians of "
         f"{rounds} fresh processes. Targets (nbddp): launch ≤ 0.5 s over the trivial one, "
         "while running ≤ 1.2×, peak ≤ 1.5×. The next launch captures the same data again from "
         "the same process, as a notebook's next cell would.",

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -257,41 +259,81 @@ def machine() -> str:
     )
 
 
-def main() -> None:
-    quick = "--quick" in sys.argv
+def _sections(quick: bool) -> list[tuple[str, Callable[[], str]]]:
     import cluster
     import data
     import gpu
     import live_overhead
     import session
 
-    sections = [
-        ("Machine", machine()),
+    return [
+        ("Machine", machine),
         (
             "1. Launch latency (trivial all_reduce, 2 CPU ranks)",
-            launch_latency(processes=2 if quick else 5, repeats=2 if quick else 5),
+            lambda: launch_latency(processes=2 if quick else 5, repeats=2 if quick else 5),
         ),
-        ("1b. Where a warm launch's time goes", _in_fresh_process("launch_phases", quick)),
+        ("1b. Where a warm launch's time goes", lambda: _in_fresh_process("launch_phases", quick)),
         (
             "2. Training throughput",
-            throughput(rounds=1 if quick else 5, steps=30 if quick else 150),
+            lambda: throughput(rounds=1 if quick else 5, steps=30 if quick else 150),
         ),
-        ("3. In-kernel fallback overhead", fallback(rounds=2 if quick else 20)),
+        ("3. In-kernel fallback overhead", lambda: fallback(rounds=2 if quick else 20)),
         (
             "4. nbddp.log / nbddp.progress overhead and latency",
-            live_overhead.run(launches=1 if quick else live_overhead.LAUNCHES),
+            lambda: live_overhead.run(launches=1 if quick else live_overhead.LAUNCHES),
         ),
-        ("5. Data in and out: a captured 1 GB global, a returned 1 GiB tensor", data.run(quick)),
-        ("6. Ray cluster launches (two simulated nodes)", _cluster(cluster, quick)),
-        ("7. Session cells, from a real kernel", session.run(quick)),
-        ("8. On a GPU: NCCL (or gloo sharing one GPU)", gpu.run(quick)),
+        (
+            "5. Data in and out: a captured 1 GB global, a returned 1 GiB tensor",
+            lambda: data.run(quick),
+        ),
+        ("6. Ray cluster launches (two simulated nodes)", lambda: _cluster(cluster, quick)),
+        ("7. Session cells, from a real kernel", lambda: session.run(quick)),
+        ("8. On a GPU: NCCL (or gloo sharing one GPU)", lambda: gpu.run(quick)),
     ]
-    text = (
-        "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n"
-        + "\n\n".join(f"## {title}\n\n{body}" for title, body in sections)
-        + "\n"
-    )
-    (HERE / "RESULTS.md").write_text(text)
+
+
+def _written() -> dict[str, str]:
+    """The sections RESULTS.md holds now, by title."""
+    path = HERE / "RESULTS.md"
+    if not path.exists():
+        return {}
+    parts = path.read_text().split("\n## ")[1:]
+    return {p.split("\n", 1)[0]: p.split("\n", 1)[1].strip() for p in parts}
+
+
+def _measured(title: str, section: Callable[[], str]) -> str:
+    """One section's text; a section that fails says so and the others still run."""
+    try:
+        return section()
+    except Exception as exc:
+        traceback.print_exc()
+        last = (str(exc).strip().splitlines() or [""])[-1][:300]
+        return f"Failed: {type(exc).__name__}: {last} (traceback on the run's stderr)."
+
+
+def main() -> None:
+    """``--quick``: fewer repetitions. ``--only 5,7``: measure those sections (and the machine)
+    again, keep the others as RESULTS.md has them. RESULTS.md is rewritten after each section,
+    so an interrupted run keeps what it measured."""
+    quick = "--quick" in sys.argv
+    only = None
+    if "--only" in sys.argv:
+        only = set(sys.argv[sys.argv.index("--only") + 1].split(","))
+    kept = _written() if only is not None else {}
+    done: dict[str, str] = {}
+    sections = _sections(quick)
+    for title, section in sections:
+        number = title.split(".", 1)[0]
+        if only is None or number in only or title == "Machine" or title not in kept:
+            done[title] = _measured(title, section)
+        else:
+            done[title] = kept[title]
+        text = (
+            "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n"
+            + "\n\n".join(f"## {t}\n\n{body}" for t, body in done.items())
+            + "\n"
+        )
+        (HERE / "RESULTS.md").write_text(text)
     print(text)
 
 
