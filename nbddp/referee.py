@@ -45,6 +45,24 @@ from .wire import (
 SETTLE = 0.5
 
 
+def forward_live(events: RunEvents, rank: int, message: Any) -> bool:
+    """Pass what the live view shows (metrics rows, bars, the device) straight on to the run;
+    False when ``message`` is none of those, and the judge decides what it means."""
+    match message:
+        case Rows(first=first, blocks=blocks):
+            events.rows(rank, first, blocks)
+        case MainRows(rows=rows):
+            if rank == 0:  # rank-0-only reports (Accelerate's trackers)
+                events.main_rows(rows)
+        case Bars(bars=bars):
+            events.bars(bars)
+        case DeviceName(name=name):
+            events.device(name)
+        case _:
+            return False
+    return True
+
+
 class Referee:
     """Judges one run. ``broadcast`` sends a message to every rank; ``started_groups`` is how
     many groups (machines) must report ``Started`` before the run is "running"; ``node_of``
@@ -79,15 +97,9 @@ class Referee:
         events, tracker = self._events, self.tracker
         match event:
             case Received(rank=rank, message=message, buffers=buffers):
+                if forward_live(events, rank, message):
+                    return
                 match message:
-                    case Rows(first=first, blocks=blocks):
-                        events.rows(rank, first, blocks)
-                    case MainRows(rows=rows) if rank == 0:
-                        events.main_rows(rows)
-                    case Bars(bars=bars):
-                        events.bars(bars)
-                    case DeviceName(name=name):
-                        events.device(name)
                     case Joined():
                         self._joined.add(rank)
                         if len(self._joined) == self.world_size:

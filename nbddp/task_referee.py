@@ -16,18 +16,8 @@ from .backend import Outcome, RunEvents
 from .errors import LaunchTimeout
 from .outcome import RunTracker
 from .pump import CellStream, Writable
-from .referee import SETTLE
-from .wire import (
-    Bars,
-    Ended,
-    Failed,
-    MainRows,
-    RankEvent,
-    Received,
-    Result,
-    Rows,
-    Unsendable,
-)
+from .referee import SETTLE, forward_live
+from .wire import Ended, Failed, RankEvent, Received, Result, Unsendable
 
 # How long ranks get to come back to idle after a failure, a stop or an interrupt before
 # they count as stuck (e.g. in a collective waiting for a peer that failed) and are restarted.
@@ -76,13 +66,9 @@ class TaskReferee:
         events, tracker = self._events, self.tracker
         match event:
             case Received(rank=rank, message=message, buffers=buffers):
+                if forward_live(events, rank, message):
+                    return
                 match message:
-                    case Rows(first=first, blocks=blocks):
-                        events.rows(rank, first, blocks)
-                    case MainRows(rows=rows) if rank == 0:
-                        events.main_rows(rows)
-                    case Bars(bars=bars):
-                        events.bars(bars)
                     case Result(stream=stream):
                         tracker.result(rank, stream, buffers, False)
                         self._answered.add(rank)
