@@ -16,8 +16,10 @@ failure noticed within 1 s.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 NODE_IP = "127.0.0.2"  # loopback: Ray rewrites 127.0.0.1 to the machine's outward address
@@ -57,6 +59,7 @@ def run(quick: bool = False) -> str:
     )
     cluster.add_node(num_cpus=1, node_ip_address=NODE_IP)
     ray.init(address=cluster.address, log_to_driver=False, _node_ip_address=NODE_IP)
+    storage = tempfile.mkdtemp(prefix="nbddp-bench-ray-train-")  # Ray Train's run records
     try:
         rounds = 3 if quick else 10
         options = {"cluster": "ray", "device": "cpu", "display": "none"}
@@ -79,7 +82,7 @@ def run(quick: bool = False) -> str:
                 TorchTrainer(
                     _train_loop,
                     scaling_config=ScalingConfig(num_workers=2),
-                    run_config=RunConfig(storage_path="/tmp/nbddp-bench-ray-train"),
+                    run_config=RunConfig(storage_path=storage),
                 ).fit()
                 theirs.append(time.perf_counter() - started)
         noticed = []
@@ -93,6 +96,7 @@ def run(quick: bool = False) -> str:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(storage, ignore_errors=True)
     ours_median = statistics.median(ours)
     rows = [
         "| on a running 2-node cluster, 2 gloo ranks | first (s) | repeated (s, median) |",
