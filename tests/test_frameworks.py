@@ -167,16 +167,19 @@ def test_a_lightning_trainer_fills_history_averaged_across_ranks():
     assert bars and bars[0].desc.startswith("Epoch") and bars[0].n == bars[0].total == 8
 
 
-def accelerate_tracker() -> int:
+def accelerate_tracker(init_trackers: bool) -> int:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
+    if init_trackers:  # it starts every tracker, and a new list in older Accelerate versions
+        accelerator.init_trackers("run")
     for step in range(4):
         accelerator.log({"loss": 1.0 / (step + 1), "note": "text"}, step=10 * step)
     return accelerator.num_processes
 
 
-def test_accelerate_logs_reach_history_as_rank_0_logs_them():
-    processes, _, history, _ = launch(accelerate_tracker)
+@pytest.mark.parametrize("init_trackers", [False, True])
+def test_accelerate_logs_reach_history_as_rank_0_logs_them(init_trackers):
+    processes, _, history, _ = launch(accelerate_tracker, init_trackers)
     assert processes == 2
     assert history == [{"step": 10 * s, "loss": 1.0 / (s + 1)} for s in range(4)]

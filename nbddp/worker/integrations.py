@@ -26,6 +26,7 @@ integration that fails warns once and leaves the library as it was.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import io
@@ -210,6 +211,22 @@ def numbers_in(values: Mapping[str, Any]) -> dict[str, float]:
     return found
 
 
+def _after(cls: Any, name: str, install: Callable[[Any, dict[str, Any]], None]) -> None:
+    """Make ``cls.name`` call ``install(self, kwargs)`` after itself, inside a launched rank:
+    a library's extension point (callback, logger, tracker) goes on an instance."""
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if live.current() is not None:
+            install(self, kwargs)
+        return result
+
+    setattr(cls, name, patched)
+    cls._nbddp = True
+
+
 def _patch_transformers(module: ModuleType) -> None:
     trainer = module.Trainer
     if getattr(trainer, "_nbddp", False):
@@ -226,15 +243,7 @@ def _patch_transformers(module: ModuleType) -> None:
             if values:
                 live.log(values)
 
-    original_init = trainer.__init__
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        if live.current() is not None:
-            self.add_callback(NbddpCallback)
-
-    trainer.__init__ = __init__
-    trainer._nbddp = True
+    _after(trainer, "__init__", lambda self, kwargs: self.add_callback(NbddpCallback))
 
 
 def _patch_lightning(module: ModuleType) -> None:
@@ -264,12 +273,8 @@ def _patch_lightning(module: ModuleType) -> None:
                 live.log(values)
 
     callbacks = __import__(f"{package}.callbacks", fromlist=["TQDMProgressBar"])
-    original_init = trainer.__init__
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        if live.current() is None:
-            return
+    def install(self: Any, kwargs: dict[str, Any]) -> None:
         if self.loggers:  # appended: loggers[0] keeps its role (log_dir, v_num, checkpoints)
             self.loggers = [*self.loggers, NbddpLogger()]
         bar = self.progress_bar_callback
@@ -279,8 +284,7 @@ def _patch_lightning(module: ModuleType) -> None:
             # rich would draw its last frame only: tqdm's becomes a live panel bar instead
             self.callbacks[self.callbacks.index(bar)] = callbacks.TQDMProgressBar()
 
-    trainer.__init__ = __init__
-    trainer._nbddp = True
+    _after(trainer, "__init__", install)
 
 
 def _patch_accelerate(module: ModuleType) -> None:
@@ -305,23 +309,9 @@ def _patch_accelerate(module: ModuleType) -> None:
             if buffer is not None and found:
                 buffer.log_main(found, step)
 
-    def add_tracker(self: Any) -> None:
-        if live.current() is not None and not any(
-            isinstance(t, NbddpTracker) for t in self.trackers
-        ):
+    def add_tracker(self: Any, kwargs: dict[str, Any]) -> None:
+        if not any(isinstance(t, NbddpTracker) for t in self.trackers):
             self.trackers.append(NbddpTracker())
 
-    original_init, original_init_trackers = accelerator.__init__, accelerator.init_trackers
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        add_tracker(self)
-
-    def init_trackers(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original_init_trackers(self, *args, **kwargs)  # it starts a new list
-        add_tracker(self)
-        return result
-
-    accelerator.__init__ = __init__
-    accelerator.init_trackers = init_trackers
-    accelerator._nbddp = True
+    _after(accelerator, "__init__", add_tracker)
+    _after(accelerator, "init_trackers", add_tracker)  # older versions start a new list there
