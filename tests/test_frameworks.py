@@ -49,6 +49,22 @@ def test_tqdm_bars_become_panel_bars_and_leave_no_text(output):
         assert "\r[rank 1] inner:" in text
 
 
+def panel_counts_while_updating() -> list[int]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=10, mininterval=0)
+    seen = []
+    for _ in range(3):
+        bar.update(2)  # tqdm redraws (mininterval=0): the panel's bar follows
+        seen.append(bar._nbddp_bar.n if nbddp.rank() == 0 else 0)  # rank 0's bar is shown
+    bar.close()
+    return seen
+
+
+def test_a_tqdm_bar_updated_by_hand_is_followed_between_updates():
+    assert launch(panel_counts_while_updating)[0] == [2, 4, 6]
+
+
 def logs_through_logging() -> None:
     logging.getLogger("training").info("an info line from rank %d", nbddp.rank())
     logging.getLogger("training").debug("not shown at INFO")
