@@ -13,9 +13,7 @@ started survives it, whatever session they moved to.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import threading
 
 from .. import payload, transport
@@ -33,7 +31,7 @@ from ..wire import (
 )
 from . import integrations, live
 from .report import ChannelSink, error_report
-from .setup import kill_own_group, prepare, send_result
+from .setup import flush_output, join_process_group, kill_own_group, prepare, send_result
 
 
 def main(directory: str) -> int:
@@ -53,9 +51,7 @@ def main(directory: str) -> int:
         if code == 0:
             joined.wait()  # a peer still joining needs us (rank 0 hosts the rendezvous store)
     end_descendants()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+    flush_output()
     os._exit(code)  # no interpreter shutdown: a user thread or child cannot hold the run
 
 
@@ -73,8 +69,6 @@ def _listen(conn: Connection, joined: threading.Event) -> None:
 
 def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) -> int:
     """Receive the job, join the process group, call fn and report; the exit code."""
-    import torch.distributed as dist
-
     from .context import installed
 
     frame = conn.recv()
@@ -90,12 +84,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
         with installed(context):
             fn, args, kwargs = loads_call(job.call, job.shared, fds)
             del job  # the pickled call is not kept while fn runs
-            dist.init_process_group(
-                backend=spec.backend,
-                init_method="env://",
-                rank=rank,
-                world_size=context.world_size,
-            )
+            join_process_group(spec, rank, context.world_size)
             conn.send(Joined(rank))
             buffer = live.LiveBuffer(ChannelSink(conn, rank))
             live.install(buffer)
@@ -113,8 +102,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
         conn.send(Failed(rank, error_report(exc)))
         return 1
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_output()
     # The process group is not destroyed: the rank exits right after (``os._exit``) and the OS
     # closes its connections, while gloo's ``destroy_process_group`` alone costs ~20 ms.
     return 0 if send_result(conn, rank, value, early_exit, rank == 0 or spec.return_all) else 1

@@ -14,7 +14,6 @@ When the kernel end closes, the rank kills its own process group at once, as a l
 from __future__ import annotations
 
 import builtins
-import contextlib
 import os
 import queue
 import signal
@@ -39,7 +38,7 @@ from ..wire import (
 )
 from . import integrations, live
 from .report import ChannelSink, error_report
-from .setup import kill_own_group, prepare, send_result
+from .setup import flush_output, join_process_group, kill_own_group, prepare, send_result
 
 _MISSING = object()
 
@@ -71,8 +70,6 @@ class _Busy:
 
 def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     """Join the process group, then run tasks until the kernel closes the channel."""
-    import torch.distributed as dist
-
     from .context import installed
 
     frame = conn.recv()
@@ -86,9 +83,7 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     ).start()
     try:
         context = prepare(spec, rank, conn)
-        dist.init_process_group(
-            backend=spec.backend, init_method="env://", rank=rank, world_size=context.world_size
-        )
+        join_process_group(spec, rank, context.world_size)
     except BaseException as exc:
         conn.send(Failed(rank, error_report(exc)))
         return 1
@@ -135,9 +130,7 @@ def _run_task(
         report = error_report(exc)
     finally:
         live.install(None)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
+        flush_output()
     if rank == 0:
         conn.send(Names(rank, tuple(n for n in namespace if not n.startswith("__"))))
     if report is not None:

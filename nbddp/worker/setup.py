@@ -3,6 +3,7 @@ up its device, report its value, and end its whole process group when the kernel
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -62,6 +63,22 @@ def prepare(spec: JobSpec, rank: int, conn: Connection) -> Any:
         world_size=int(os.environ["WORLD_SIZE"]),
         device=device,
     )
+
+
+def join_process_group(spec: JobSpec, rank: int, world_size: int) -> None:
+    """``init_process_group`` from the torchrun environment nbddp set for this rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend=spec.backend, init_method="env://", rank=rank, world_size=world_size
+    )
+
+
+def flush_output() -> None:
+    """Push what the rank printed to its pipes (a closed or broken stream is no error)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
 
 
 def send_result(conn: Connection, rank: int, value: Any, early: bool, wanted: bool) -> bool:
