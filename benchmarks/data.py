@@ -53,7 +53,7 @@ def fn():
 
 if launcher == "nbddp":
     import nbddp
-    from nbddp import forkserver
+    from nbddp.local import forkserver
     forkserver.prestart(); forkserver.wait_until_ready(60)
     nbddp.notebook_launch(abs, (-1,), num_workers=2, device="cpu", display="none")
     launch = lambda: nbddp.notebook_launch(fn, num_workers=2, device="cpu", display="none")
@@ -108,7 +108,7 @@ print("RESULT " + json.dumps({"seconds": seconds, "again": again, "peak": peak[0
 _RETURN = r"""
 import json, sys, time
 import torch, nbddp
-from nbddp import forkserver
+from nbddp.local import forkserver
 forkserver.prestart(); forkserver.wait_until_ready(60)
 nbddp.notebook_launch(abs, (-1,), num_workers=2, device="cpu", display="none")
 size = int(sys.argv[1])

@@ -17,7 +17,10 @@ from typing import Any
 
 import nbddp
 import nbddp.launch
-from nbddp import forkserver, launch, rankgroup, referee
+from nbddp import launch
+from nbddp.local import forkserver
+from nbddp.local import group as rankgroup
+from nbddp.rules import referee
 
 PHASES = [
     ("planned and pickled", "plan, `dumps_call`, the backend chosen"),

@@ -65,7 +65,7 @@ def main(method: str, repeats: int) -> None:
     if method.startswith("nbddp"):
         import nbddp
         import nbddp.launch
-        from nbddp import forkserver
+        from nbddp.local import forkserver
 
         forkserver.prestart()  # is this: the helper starts at import
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from nbddp.errors import (
     LaunchTimeout,
     NbddpError,
     NbddpWarning,
@@ -24,9 +24,9 @@ from .errors import (
     SerializationError,
     WorkerError,
 )
-from .worker.context import barrier, device, is_main, local_rank, print, rank, world_size
-from .worker.live import log, progress
-from .worker.prepare import prepare_loader, prepare_model, unwrap
+from nbddp.worker.context import barrier, device, is_main, local_rank, print, rank, world_size
+from nbddp.worker.live import log, progress
+from nbddp.worker.prepare import prepare_loader, prepare_model, unwrap
 
 __all__ = [
     "LaunchTimeout",
@@ -58,18 +58,18 @@ __all__ = [
 __version__ = "0.2.0"
 
 if TYPE_CHECKING:
-    from .launch import notebook_launch
-    from .ray_cluster import RayCluster, set_cluster
-    from .run import Run, last_run
-    from .session import Session
+    from nbddp.clusters.ray.cluster import RayCluster, set_cluster
+    from nbddp.launch import notebook_launch
+    from nbddp.run import Run, last_run
+    from nbddp.sessions.session import Session
 
 _KERNEL_SIDE = {
     "notebook_launch": "launch",
     "Run": "run",
     "last_run": "run",
-    "RayCluster": "ray_cluster",
-    "set_cluster": "ray_cluster",
-    "Session": "session",
+    "RayCluster": "clusters.ray.cluster",
+    "set_cluster": "clusters.ray.cluster",
+    "Session": "sessions.session",
 }
 
 
@@ -97,8 +97,8 @@ def _in_a_kernel() -> bool:
 
 
 if _in_a_kernel():  # a launch will come: be ready for it (helper, launcher, ~30 ms imports)
-    from . import launch as _launch
-    from .forkserver import prestart
+    from nbddp import launch as _launch
+    from nbddp.local.forkserver import prestart
 
     prestart()
     del _launch
@@ -106,13 +106,13 @@ if _in_a_kernel():  # a launch will come: be ready for it (helper, launcher, ~30
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext nbddp``: registers the ``%%ddp`` and ``%ddp_session`` magics."""
-    from .magic import load_ipython_extension as load
+    from nbddp.notebook.magic import load_ipython_extension as load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: object) -> None:
     """``%unload_ext nbddp``: removes the ``%%ddp`` and ``%ddp_session`` magics."""
-    from .magic import unload_ipython_extension as unload
+    from nbddp.notebook.magic import unload_ipython_extension as unload
 
     unload(ipython)

@@ -11,8 +11,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, Protocol
 
-from .pump import Writable
-from .wire import BarSnapshot, Block
+from nbddp.wire.messages import BarSnapshot, Block, RankEvent
+
+
+class Writable(Protocol):
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+class Judge(Protocol):
+    """Decides when a rank group's loop ends; called on the loop's thread only."""
+
+    def event(self, event: RankEvent) -> None: ...
+
+    def deadline(self) -> float | None:
+        """The next ``time.monotonic()`` at which ``verdict`` may change by itself."""
+
+    def verdict(self) -> Any:
+        """Not None once the run is over (the loop then tears down and returns it)."""
+
 
 Status = Literal["starting", "running", "succeeded", "failed", "stopped"]
 EndStatus = Literal["succeeded", "failed", "stopped"]

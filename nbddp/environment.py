@@ -15,10 +15,9 @@ import struct
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from .processes import RUN_ID_VARIABLE
-
 _SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
 WORKER_VARIABLE = "NBDDP_WORKER"  # set in every rank and in the helper: no helper of its own
+RUN_ID_VARIABLE = "NBDDP_RUN_ID"  # every process of a run inherits it: how strays are found
 
 # What sets each variable nbddp owns, for the error that refuses it in env=.
 _OWNED = {

@@ -6,13 +6,12 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .backend import Backend
-from .call import dumps_call
-from .errors import warn_user
-from .in_kernel import InKernel, device_name
-from .plan import LaunchPlan, make_plan
-from .run import Run, remember
-from .supervisor import LocalWorkers
+from nbddp.backend import Backend
+from nbddp.local.in_kernel import InKernel, device_name
+from nbddp.local.workers import LocalWorkers
+from nbddp.plan import LaunchPlan, make_plan
+from nbddp.run import Run, remember
+from nbddp.wire.call import dumps_call
 
 
 def notebook_launch(
@@ -140,12 +139,11 @@ def _backend_for(
     if plan.in_kernel:
         return InKernel(plan, fn, args, kwargs), device_name(plan)
     if plan.cluster is not None:
-        from .ray_backend import RayWorkers
+        from nbddp.clusters.ray.workers import RayWorkers
 
         call = dumps_call(fn, args, kwargs, names, segment=False)  # Ray carries the bytes
         return RayWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
     call = dumps_call(fn, args, kwargs, names)  # SerializationError before any process
-    _warn_if_kernel_holds_gpus(plan)
     return LocalWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
 
 
@@ -157,22 +155,3 @@ def stop_despite_interrupts(run: Run) -> None:
             return
         except KeyboardInterrupt:
             continue
-
-
-def _warn_if_kernel_holds_gpus(plan: LaunchPlan) -> None:
-    """The kernel's own CUDA memory is memory rank 0 does not have: say so, once per launch."""
-    if plan.device != "cuda":
-        return
-    import torch
-
-    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return
-    held = []
-    for index in sorted(set(plan.gpus)):
-        reserved = torch.cuda.memory_reserved(index)
-        held.append(f"GPU {index} ({reserved / 2**30:.2f} GiB reserved by PyTorch + its context)")
-    warn_user(
-        "this kernel holds a CUDA context on " + ", ".join(held) + ", which the workers also "
-        "use: they have that much less memory. If a rank runs out of memory, free it with "
-        "`del` and torch.cuda.empty_cache(), or restart the kernel before launching."
-    )

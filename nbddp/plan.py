@@ -14,18 +14,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from .environment import check_user_env
-from .ray_cluster import place_on_cluster
-from .ray_cluster import resolve as resolve_cluster
-from .wire import Output
+from nbddp.clusters.ray.cluster import place_on_cluster
+from nbddp.clusters.ray.cluster import resolve as resolve_cluster
+from nbddp.environment import check_user_env
+from nbddp.wire.messages import Output
 
 DeviceOption = Literal["auto", "cuda", "cpu"]
 Device = Literal["cuda", "cpu"]
-Backend = Literal["nccl", "gloo"]
+# torch.distributed's backend; not the execution seam, which is ``backend.Backend``
+DistBackend = Literal["nccl", "gloo"]
 Display = Literal["auto", "widget", "text", "none"]
 
 DEVICE_OPTIONS: tuple[str, ...] = get_args(DeviceOption)
-BACKENDS: tuple[str, ...] = get_args(Backend)
+BACKENDS: tuple[str, ...] = get_args(DistBackend)
 DISPLAYS: tuple[str, ...] = get_args(Display)
 OUTPUTS: tuple[str, ...] = get_args(Output)
 
@@ -36,7 +37,7 @@ class LaunchPlan:
 
     world_size: int
     device: Device
-    backend: Backend
+    backend: DistBackend
     # Kernel-visible GPU index of each rank (cuda only); equal entries mean shared GPUs.
     gpus: tuple[int, ...] = ()
     timeout: float | None = None
@@ -103,7 +104,7 @@ def make_plan(
         resolved_device, n_nodes, per_node = placed
         workers, rank_gpus = n_nodes * per_node, ()
 
-    resolved_backend: Backend
+    resolved_backend: DistBackend
     if backend is None:
         resolved_backend = "nccl" if resolved_device == "cuda" else "gloo"
     elif backend in BACKENDS:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from . import interrupts
-from .backend import Backend, Outcome, Status
-from .display import LiveDisplay
-from .display.state import RunState
-from .errors import RunStopped
-from .plan import LaunchPlan
+from nbddp import interrupts
+from nbddp.backend import Backend, Outcome, Status
+from nbddp.display import LiveDisplay
+from nbddp.display.state import RunState
+from nbddp.errors import RunStopped
+from nbddp.plan import LaunchPlan
 
 _last: Run | None = None
 
@@ -41,7 +41,7 @@ class Run:
         self.device = plan.device
         self.backend = plan.backend
         self._plan = plan
-        self._backend = backend
+        self._runner = backend
         self._state = RunState(
             plan.world_size, plan.device, plan.backend, device_name, nodes=plan.nodes
         )
@@ -59,7 +59,7 @@ class Run:
                     self._display = LiveDisplay(self._state, plan.display, self.stop, plan.block)
                 # The live widget shows the ranks' output in its panel, not below it.
                 self._state.panel_output = self._display.mode == "widget"
-            self._backend.start(self._state, self._finish)
+            self._runner.start(self._state, self._finish)
         except KeyboardInterrupt:
             self._finish(Outcome("stopped"))
             raise
@@ -81,7 +81,7 @@ class Run:
     @property
     def nodes(self) -> tuple[str, ...]:
         """The machines' addresses, in node-rank order (``("localhost",)`` on this one)."""
-        return self._backend.nodes
+        return self._runner.nodes
 
     @property
     def duration(self) -> float:
@@ -113,7 +113,7 @@ class Run:
         gone, False if ``timeout`` seconds passed first."""
         if self._done.is_set():
             return True
-        self._backend.stop()
+        self._runner.stop()
         return self._done.wait(timeout)
 
     def _finish(self, outcome: Outcome) -> None:

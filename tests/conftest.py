@@ -12,6 +12,10 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+# Launch options most tests use: two gloo ranks on the CPU, with and without a panel.
+TWO_CPU = {"num_workers": 2, "device": "cpu"}
+TWO_CPU_QUIET = {**TWO_CPU, "display": "none"}
+
 
 def is_warm_helper(proc: psutil.Process) -> bool:
     """nbddp's pre-warmed helper, or a child it forked ahead for the next launch: owned and
@@ -183,7 +187,7 @@ class Kernel:
 def _sweep_after(pid: int) -> None:
     """A killed kernel cannot remove its runs' directories; the next launch's sweep does.
     Sweep now (they are young), and check that the sweep finds every one of them."""
-    from nbddp import rundir
+    from nbddp.local import rundir
 
     left = glob.glob(os.path.join(tempfile.gettempdir(), f"nbddp-{pid}-*"))
     if not left:

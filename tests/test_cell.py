@@ -2,7 +2,7 @@
 
 import pytest
 
-from nbddp.cell import analyze, shows_last_value
+from nbddp.notebook.cell import analyze, shows_last_value
 
 
 def reads(source: str) -> set[str]:

@@ -11,11 +11,10 @@ import time
 
 import psutil
 import pytest
+from conftest import TWO_CPU
 
 import nbddp
 from nbddp import LaunchTimeout, RunStopped, SerializationError, WorkerError
-
-TWO_CPU = {"num_workers": 2, "device": "cpu"}
 
 
 @pytest.fixture(autouse=True, params=["warm", "cold"])
@@ -24,7 +23,7 @@ def starter(request, monkeypatch):
     if request.param == "cold":
         monkeypatch.setenv("NBDDP_PREWARM", "0")
     else:
-        from nbddp import forkserver
+        from nbddp.local import forkserver
 
         forkserver.prestart()
         assert forkserver.wait_until_ready(60)

@@ -9,12 +9,10 @@ import time
 
 import psutil
 import pytest
-from conftest import is_warm_helper, running
+from conftest import TWO_CPU_QUIET, is_warm_helper, running
 
 import nbddp
-from nbddp import forkserver
-
-TWO_CPU = {"num_workers": 2, "device": "cpu", "display": "none"}
+from nbddp.local import forkserver
 
 
 @pytest.fixture
@@ -53,8 +51,8 @@ def probe_module(tmp_path, monkeypatch):
 
 
 def test_warm_workers_are_fresh_and_isolated_every_launch(ready_helper, probe_module):
-    first = nbddp.notebook_launch(identity, **TWO_CPU, return_all=True)
-    second = nbddp.notebook_launch(identity, **TWO_CPU, return_all=True)
+    first = nbddp.notebook_launch(identity, **TWO_CPU_QUIET, return_all=True)
+    second = nbddp.notebook_launch(identity, **TWO_CPU_QUIET, return_all=True)
     for launch in (first, second):
         for rank in launch:
             assert rank["parent"] == ready_helper  # forked by the helper: the warm path
@@ -75,9 +73,9 @@ def reads_probe_value() -> int:
 
 
 def test_a_module_edited_between_launches_is_imported_anew(ready_helper, probe_module):
-    assert nbddp.notebook_launch(reads_probe_value, **TWO_CPU) == 1
+    assert nbddp.notebook_launch(reads_probe_value, **TWO_CPU_QUIET) == 1
     probe_module.write_text("counter = 0\nVALUE = 2\n")
-    assert nbddp.notebook_launch(reads_probe_value, **TWO_CPU) == 2
+    assert nbddp.notebook_launch(reads_probe_value, **TWO_CPU_QUIET) == 2
 
 
 def parent_pid() -> int:
@@ -90,15 +88,15 @@ def test_a_dead_helper_is_replaced_and_launches_keep_working(ready_helper):
     while running(ready_helper) and time.monotonic() < deadline:
         time.sleep(0.05)
     # the next launch notices, starts a new helper and waits for it
-    assert nbddp.notebook_launch(parent_pid, **TWO_CPU) != ready_helper
+    assert nbddp.notebook_launch(parent_pid, **TWO_CPU_QUIET) != ready_helper
     new_helper = forkserver.helper_pid()
     assert new_helper not in (None, ready_helper)
-    assert nbddp.notebook_launch(parent_pid, **TWO_CPU) == new_helper
+    assert nbddp.notebook_launch(parent_pid, **TWO_CPU_QUIET) == new_helper
 
 
 def test_prewarm_can_be_turned_off(monkeypatch, ready_helper):
     monkeypatch.setenv("NBDDP_PREWARM", "0")
-    assert nbddp.notebook_launch(parent_pid, **TWO_CPU) == os.getpid()
+    assert nbddp.notebook_launch(parent_pid, **TWO_CPU_QUIET) == os.getpid()
 
 
 def fails_on_rank_one() -> None:
@@ -109,7 +107,7 @@ def fails_on_rank_one() -> None:
 
 def test_failures_hold_on_the_warm_path(ready_helper):
     with pytest.raises(nbddp.WorkerError) as info:
-        nbddp.notebook_launch(fails_on_rank_one, **TWO_CPU)
+        nbddp.notebook_launch(fails_on_rank_one, **TWO_CPU_QUIET)
     assert (info.value.rank, info.value.exitcode) == (1, 7)
 
 
@@ -117,7 +115,7 @@ def test_the_helper_ends_with_its_kernel(kernel_factory):
     kernel = kernel_factory()
     try:
         out, reply = kernel.run(
-            "import nbddp\nfrom nbddp import forkserver\n"
+            "import nbddp\nfrom nbddp.local import forkserver\n"
             "print(forkserver.wait_until_ready(60), forkserver.helper_pid())"
         )
         assert reply["status"] == "ok", out

@@ -10,16 +10,15 @@ import logging
 import tempfile
 
 import pytest
+from conftest import TWO_CPU_QUIET
 
 import nbddp
-
-TWO_CPU = {"num_workers": 2, "device": "cpu", "display": "none"}
 
 
 def launch(fn, *args, **options):
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        value = nbddp.notebook_launch(fn, args, **{**TWO_CPU, **options})
+        value = nbddp.notebook_launch(fn, args, **{**TWO_CPU_QUIET, **options})
     run = nbddp.last_run()
     return value, out.getvalue(), run.history, run._state.snapshot().bars
 

@@ -12,11 +12,10 @@ import time
 
 import pytest
 import torch.distributed as dist
+from conftest import TWO_CPU_QUIET
 
 import nbddp
 from nbddp.worker import live
-
-TWO_CPU = {"num_workers": 2, "device": "cpu", "display": "none"}
 
 
 def sleeps(seconds: float) -> None:
@@ -49,7 +48,7 @@ def interrupted(delay: float, launch) -> bool:
 
 
 def assert_next_launch_works() -> None:
-    assert nbddp.notebook_launch(abs, (-7,), **TWO_CPU, timeout=60) == 7
+    assert nbddp.notebook_launch(abs, (-7,), **TWO_CPU_QUIET, timeout=60) == 7
 
 
 @pytest.fixture(params=["warm", "cold"])
@@ -57,7 +56,7 @@ def starter(request, monkeypatch):
     if request.param == "cold":
         monkeypatch.setenv("NBDDP_PREWARM", "0")
     else:
-        from nbddp import forkserver
+        from nbddp.local import forkserver
 
         forkserver.prestart()
         assert forkserver.wait_until_ready(60)
@@ -69,10 +68,12 @@ def test_an_interrupt_at_any_instant_leaves_the_next_launch_working(starter):
     delays = [0.002 + i * 0.004 for i in range(16)] if starter == "warm" else [0.002, 0.3, 0.8, 1.5]
     delays += [0.08, 0.15, 0.3] if starter == "warm" else [3.0]  # training
     for delay in delays:
-        assert interrupted(delay, lambda: nbddp.notebook_launch(sleeps, (60,), **TWO_CPU)), delay
+        assert interrupted(delay, lambda: nbddp.notebook_launch(sleeps, (60,), **TWO_CPU_QUIET)), (
+            delay
+        )
         assert_next_launch_works()
     for delay in [i * 0.006 for i in range(12)] if starter == "warm" else [1.2, 1.8]:
-        interrupted(delay, lambda: nbddp.notebook_launch(abs, (-3,), **TWO_CPU))  # to the end
+        interrupted(delay, lambda: nbddp.notebook_launch(abs, (-3,), **TWO_CPU_QUIET))  # to the end
         assert_next_launch_works()
 
 
@@ -81,7 +82,7 @@ def test_an_interrupt_while_a_large_result_arrives_is_honoured_at_once():
 
     def launch() -> None:
         try:
-            nbddp.notebook_launch(returns_a_big_tensor, (2048,), **TWO_CPU)  # 2 GiB back
+            nbddp.notebook_launch(returns_a_big_tensor, (2048,), **TWO_CPU_QUIET)  # 2 GiB back
         finally:
             finished.append(time.monotonic())
 

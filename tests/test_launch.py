@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
+from conftest import TWO_CPU
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbddp
 
-TWO_CPU = {"num_workers": 2, "device": "cpu"}
 TORCHRUN_VARS = [
     "RANK",
     "LOCAL_RANK",

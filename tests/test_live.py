@@ -9,15 +9,12 @@ import time
 import nbformat
 import pytest
 import torch
-from conftest import blocks
+from conftest import TWO_CPU, blocks
 from nbclient import NotebookClient
 
 import nbddp
 from nbddp.worker import live
 from nbddp.worker.live import LiveBuffer
-
-TWO_CPU = {"num_workers": 2, "device": "cpu"}
-
 
 # -- the buffer, without processes ---------------------------------------------------------
 

@@ -13,7 +13,7 @@ import pytest
 PRELUDE = """\
 import json, sys, time
 import nbddp, torch
-from nbddp import forkserver
+from nbddp.local import forkserver
 forkserver.prestart(); forkserver.wait_until_ready(60)
 nbddp.notebook_launch(abs, (-1,), num_workers=2, device="cpu", display="none")  # warm up
 

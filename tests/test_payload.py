@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from nbddp import SerializationError
-from nbddp.call import dumps_call
-from nbddp.payload import dumps, loads, to_cpu
+from nbddp.wire.call import dumps_call
+from nbddp.wire.payload import dumps, loads, to_cpu
 
 LOCK = threading.Lock()
 
@@ -99,7 +99,7 @@ def test_to_cpu_walks_containers_and_unwraps():
 
 
 def test_out_of_band_tensors_round_trip_without_copying_into_the_stream():
-    from nbddp.payload import dumps_oob
+    from nbddp.wire.payload import dumps_oob
 
     big = torch.arange(100_000, dtype=torch.float32)
     shared = torch.nn.Parameter(torch.ones(3, 2))

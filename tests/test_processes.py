@@ -11,7 +11,9 @@ import time
 import psutil
 import pytest
 
-from nbddp.processes import RUN_ID_VARIABLE, ColdStarter, WorkerProcess, exit_status, terminate
+from nbddp.environment import RUN_ID_VARIABLE
+from nbddp.local.processes import ColdStarter, WorkerProcess, terminate
+from nbddp.worker.reaping import exit_status
 
 
 def start(code: str, run_id: str = "test-run") -> tuple[WorkerProcess, int]:
@@ -126,7 +128,7 @@ def test_an_orphan_of_a_killed_rank_is_found_by_the_run_id():
 
 DOUBLE_FORK = """\
 import os, subprocess, sys, time
-from nbddp.processes import become_subreaper, end_descendants
+from nbddp.worker.reaping import become_subreaper, end_descendants
 become_subreaper()
 if os.fork() == 0:  # an intermediate that starts a daemon in a new session, then exits
     os.setsid()

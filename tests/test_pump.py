@@ -7,7 +7,8 @@ import io
 import os
 import time
 
-from nbddp.pump import LineWindow, OutputPump
+from nbddp.display.terminal import LineWindow
+from nbddp.local.pump import OutputPump
 
 
 def pump_text(mode: str, writes: list[tuple[int, bytes]]) -> tuple[str, OutputPump]:

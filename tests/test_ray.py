@@ -49,7 +49,7 @@ def cluster():
     try:
         yield simulated, second
     finally:
-        from nbddp import ray_cluster
+        from nbddp.clusters.ray import cluster as ray_cluster
 
         ray.shutdown()
         ray_cluster._by_address.clear()
@@ -59,7 +59,7 @@ def cluster():
 @pytest.fixture
 def helpers(cluster):
     """Every node helper's pid: a rank's grandparent (helper -> forkserver -> rank)."""
-    from nbddp import ray_cluster
+    from nbddp.clusters.ray import cluster as ray_cluster
 
     nbddp.notebook_launch(abs, (-1,), **RAY)  # helpers up and warm
     registry = ray_cluster.resolve("ray")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from conftest import running
 
 import nbddp
-from nbddp.task_referee import GRACE
+from nbddp.rules.task_referee import GRACE
 
 OPTIONS = {"display": "none"}
 

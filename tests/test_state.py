@@ -10,7 +10,7 @@ from conftest import blocks
 
 from nbddp.display.metrics import History, MetricsAggregator
 from nbddp.display.state import RunState
-from nbddp.wire import BarSnapshot
+from nbddp.wire.messages import BarSnapshot
 
 
 def test_rows_wait_for_every_rank_and_nothing_is_lost():

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from nbddp.transport import AuthenticationFailed, Connection, FrameReader, Listener, connect
+from nbddp.wire.transport import AuthenticationFailed, Connection, FrameReader, Listener, connect
 
 
 class _Boom:

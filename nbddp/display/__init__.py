@@ -17,9 +17,9 @@ import warnings
 from collections.abc import Callable
 from typing import Protocol
 
-from ..errors import NbddpWarning
-from .state import RunSnapshot, RunState
-from .text import TextView
+from nbddp.display.state import RunSnapshot, RunState
+from nbddp.display.text import TextView
+from nbddp.errors import NbddpWarning
 
 MAX_RATE = 10.0  # renders per second, however fast training goes
 
@@ -55,7 +55,7 @@ class LiveDisplay:
         self._failed: View | None = None
         if self.mode == "widget":
             try:
-                from .widget import WidgetView
+                from nbddp.display.widget import WidgetView
 
                 self._view = WidgetView(state.snapshot(), stop, blocking)
             except Exception:  # no usable widget frontend: text is always possible

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .state import ShownBar
+from nbddp.display.state import ShownBar
 
 
 def format_duration(seconds: float) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import html
 import math
 
-from . import ansi
-from .format import bar_text, format_duration, format_number
-from .state import RunSnapshot
+from nbddp.display import ansi
+from nbddp.display.format import bar_text, format_duration, format_number
+from nbddp.display.state import RunSnapshot
 
 _COLORS = {
     "starting": "#6b7280",

@@ -13,7 +13,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from ..wire import Block
+from nbddp.wire.messages import Block
 
 MAX_HISTORY_ROWS = 1_000_000
 

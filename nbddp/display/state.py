@@ -13,10 +13,10 @@ import threading
 import time
 from typing import Any, NamedTuple
 
-from ..backend import Status
-from ..pump import LineWindow
-from ..wire import BarSnapshot, Block
-from .metrics import History, MetricsAggregator
+from nbddp.backend import Status
+from nbddp.display.metrics import History, MetricsAggregator
+from nbddp.display.terminal import LineWindow
+from nbddp.wire.messages import BarSnapshot, Block
 
 OUTPUT_LINES = 200
 CHART_POINTS = 300

@@ -10,8 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .html import bars_html, chart_svg, header_html, metrics_html, output_html, summary_html
-from .state import RunSnapshot
+from nbddp.display.html import (
+    bars_html,
+    chart_svg,
+    header_html,
+    metrics_html,
+    output_html,
+    summary_html,
+)
+from nbddp.display.state import RunSnapshot
 
 _PARTS = (header_html, bars_html, metrics_html, chart_svg, output_html)
 

@@ -11,8 +11,8 @@ import builtins
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import payload
-from .context import is_main
+from nbddp.wire import payload
+from nbddp.worker.context import is_main
 
 _MISSING = object()
 

@@ -16,12 +16,10 @@ from __future__ import annotations
 import os
 import threading
 
-from .. import payload, transport
-from ..call import loads_call
-from ..processes import become_subreaper, end_descendants
-from ..rundir import SPEC
-from ..transport import Connection
-from ..wire import (
+from nbddp.wire import payload, transport
+from nbddp.wire.call import loads_call
+from nbddp.wire.messages import (
+    SPEC,
     AllJoined,
     Failed,
     Hello,
@@ -29,9 +27,17 @@ from ..wire import (
     JobSpec,
     Joined,
 )
-from . import integrations, live
-from .report import ChannelSink, error_report
-from .setup import flush_output, join_process_group, kill_own_group, prepare, send_result
+from nbddp.wire.transport import Connection
+from nbddp.worker import integrations, live
+from nbddp.worker.reaping import become_subreaper, end_descendants
+from nbddp.worker.report import ChannelSink, error_report
+from nbddp.worker.setup import (
+    flush_output,
+    join_process_group,
+    kill_own_group,
+    prepare,
+    send_result,
+)
 
 
 def main(directory: str) -> int:
@@ -42,7 +48,7 @@ def main(directory: str) -> int:
     conn = transport.connect(spec.address, bytes.fromhex(spec.authkey))
     conn.send(Hello(rank))
     if spec.session:
-        from .session import serve
+        from nbddp.worker.session import serve
 
         code = serve(spec, rank, conn)
     else:
@@ -69,7 +75,7 @@ def _listen(conn: Connection, joined: threading.Event) -> None:
 
 def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) -> int:
     """Receive the job, join the process group, call fn and report; the exit code."""
-    from .context import installed
+    from nbddp.worker.context import installed
 
     frame = conn.recv()
     job, fds = frame.message, frame.fds
@@ -82,7 +88,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
         payload.install_sources(job.sources)
         context = prepare(spec, rank, conn)
         with installed(context):
-            fn, args, kwargs = loads_call(job.call, job.shared, fds)
+            fn, args, kwargs = loads_call(job.call, job.shared, fds, context.device)
             del job  # the pickled call is not kept while fn runs
             join_process_group(spec, rank, context.world_size)
             conn.send(Joined(rank))

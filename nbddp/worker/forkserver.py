@@ -22,9 +22,9 @@ import socket
 import sys
 import time
 
-from ..processes import become_subreaper, exit_status, process_table, signal_each
-from ..transport import Connection
-from ..wire import Exited, Ready, Release, Spawn, Spawned, SpawnFailed
+from nbddp.wire.messages import Exited, Ready, Release, Spawn, Spawned, SpawnFailed
+from nbddp.wire.transport import Connection
+from nbddp.worker.reaping import become_subreaper, exit_status, process_table, signal_each
 
 _PR_SET_PDEATHSIG = 1
 _STRAY_CHECK = 1.0  # seconds between two looks for orphans to end

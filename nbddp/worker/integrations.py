@@ -37,9 +37,9 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from ..errors import NbddpWarning
-from . import live
-from .context import rank
+from nbddp.errors import NbddpWarning
+from nbddp.worker import live
+from nbddp.worker.context import rank
 
 Patch = Callable[[ModuleType], None]
 _NULL = io.StringIO()  # where a bar shown by the panel writes its text: nowhere

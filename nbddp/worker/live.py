@@ -26,8 +26,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-from ..wire import BarSnapshot, Block
-from .context import is_main
+from nbddp.wire.messages import BarSnapshot, Block
+from nbddp.worker.context import is_main
 
 FLUSH_INTERVAL = 0.05
 PROGRESS_INTERVAL = 0.1  # seconds between two snapshots of a bar the flusher may send

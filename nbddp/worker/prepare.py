@@ -29,8 +29,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from . import live
-from .context import device, rank, world_size
+from nbddp.worker import live
+from nbddp.worker.context import device, rank, world_size
 
 __all__ = ["prepare_loader", "prepare_model", "unwrap"]
 

@@ -11,9 +11,9 @@ import os
 import time
 import traceback
 
-from .. import payload
-from ..transport import Connection
-from ..wire import Bars, BarSnapshot, Block, ErrorReport, MainRows, Rows
+from nbddp.wire import payload
+from nbddp.wire.messages import Bars, BarSnapshot, Block, ErrorReport, MainRows, Rows
+from nbddp.wire.transport import Connection
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 

@@ -22,10 +22,9 @@ import threading
 import types
 from typing import Any
 
-from .. import payload
-from ..call import loads_call
-from ..transport import Connection, Frame
-from ..wire import (
+from nbddp.wire import payload
+from nbddp.wire.call import loads_call
+from nbddp.wire.messages import (
     Failed,
     Interrupt,
     Job,
@@ -36,9 +35,17 @@ from ..wire import (
     RankStatus,
     Task,
 )
-from . import integrations, live
-from .report import ChannelSink, error_report
-from .setup import flush_output, join_process_group, kill_own_group, prepare, send_result
+from nbddp.wire.transport import Connection, Frame
+from nbddp.worker import integrations, live
+from nbddp.worker.context import device
+from nbddp.worker.report import ChannelSink, error_report
+from nbddp.worker.setup import (
+    flush_output,
+    join_process_group,
+    kill_own_group,
+    prepare,
+    send_result,
+)
 
 _MISSING = object()
 
@@ -70,7 +77,7 @@ class _Busy:
 
 def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     """Join the process group, then run tasks until the kernel closes the channel."""
-    from .context import installed
+    from nbddp.worker.context import installed
 
     frame = conn.recv()
     if not isinstance(frame.message, Job):
@@ -111,7 +118,7 @@ def _run_task(
     value = None
     try:
         payload.install_sources(task.sources)
-        fn, args, kwargs = loads_call(task.call, task.shared, frame.fds)
+        fn, args, kwargs = loads_call(task.call, task.shared, frame.fds, device())
         del frame  # nothing here keeps the pickled call while fn runs
         task = task._replace(call=b"")
         try:

@@ -9,10 +9,10 @@ import signal
 import sys
 from typing import Any
 
-from .. import payload
-from ..errors import SerializationError
-from ..transport import Connection
-from ..wire import DeviceName, JobSpec, Result, Unsendable
+from nbddp.errors import SerializationError
+from nbddp.wire import payload
+from nbddp.wire.messages import DeviceName, JobSpec, Result, Unsendable
+from nbddp.wire.transport import Connection
 
 
 def kill_own_group() -> None:
@@ -45,7 +45,7 @@ def prepare(spec: JobSpec, rank: int, conn: Connection) -> Any:
     device (named to the kernel by rank 0), and the ``nbddp.rank()`` context to install."""
     import torch
 
-    from .context import Context
+    from nbddp.worker.context import Context
 
     _adopt_kernel_paths(spec)
     _adopt_kernel_logging(spec)

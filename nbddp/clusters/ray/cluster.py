@@ -1,0 +1,205 @@
+"""Ray clusters, the kernel's side: the connection, what the cluster has, and one node helper
+per node.
+
+``cluster="ray"`` is the Ray cluster this kernel is connected to (``ray.init(address="auto")``
+when Ray is not initialised yet), ``"ray://host:port"`` a remote one through Ray Client, and
+:class:`RayCluster` gives full control (``runtime_env`` ships code the ranks import, e.g.
+``{"working_dir": "."}`` or ``{"py_modules": [mymodule]}``). Ray is imported only here, and
+only when a cluster is named: ``pip install "nbddp[ray]"``.
+
+Each node gets one helper actor per kernel (``node.py``): pinned to the node, needing no CPU of
+its own, owned by this kernel's driver (never detached: it dies with the kernel), and kept for
+later launches, so only the first launch pays for its start.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Literal, NamedTuple
+
+_lock = threading.Lock()
+_default: RayCluster | None = None
+_by_address: dict[str, RayCluster] = {}
+
+
+class NodeInfo(NamedTuple):
+    """An alive node, as Ray describes it."""
+
+    id: str
+    address: str
+    cpus: float
+    gpus: float
+
+
+class RayCluster:
+    """A Ray cluster to launch on. ``address``: None for the cluster this kernel is connected
+    to (or finds: ``ray.init(address="auto")``), ``"ray://host:port"`` for Ray Client;
+    ``runtime_env``: what Ray ships to every node for the ranks (``working_dir``,
+    ``py_modules``, ``pip``, ...)."""
+
+    def __init__(self, address: str | None = None, runtime_env: dict[str, Any] | None = None):
+        if address is not None and not isinstance(address, str):
+            raise ValueError(
+                f"RayCluster(address={address!r}): a string like 'ray://head:10001'"
+                " or None (the cluster this kernel is connected to)."
+            )
+        self.address = address
+        self.runtime_env = dict(runtime_env) if runtime_env else None
+        self._helpers: dict[str, Any] = {}
+        self._infos: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        where = self.address or "the connected cluster"
+        return f"RayCluster({where}{', runtime_env=...' if self.runtime_env else ''})"
+
+    def connect(self) -> Any:
+        """The ``ray`` module, connected. Raises ValueError with the fix when it cannot be."""
+        try:
+            import ray
+        except ImportError:
+            raise ValueError(
+                "cluster=... needs Ray: pip install 'nbddp[ray]' (Ray is not installed in "
+                "this kernel's environment)."
+            ) from None
+        if not ray.is_initialized():
+            try:
+                ray.init(
+                    address=self.address or "auto", log_to_driver=False, logging_level=logging.ERROR
+                )
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise ValueError(
+                    f"cannot reach a Ray cluster at {self.address or 'address=auto'} ({exc}). "
+                    "Start one (`ray start --head` on this machine), connect first with "
+                    "ray.init(...), or pass cluster='ray://host:10001'."
+                ) from None
+        return ray
+
+    def alive_nodes(self) -> list[NodeInfo]:
+        ray = self.connect()
+        nodes = []
+        for node in ray.nodes():
+            if node.get("Alive"):
+                resources = node.get("Resources", {})
+                nodes.append(
+                    NodeInfo(
+                        node["NodeID"],
+                        node["NodeManagerAddress"],
+                        float(resources.get("CPU", 0)),
+                        float(resources.get("GPU", 0)),
+                    )
+                )
+        return nodes
+
+    def helper(self, node_id: str) -> Any:
+        """The node's helper actor, started on first use."""
+        with self._lock:
+            helper = self._helpers.get(node_id)
+            if helper is None:
+                ray = self.connect()
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                from nbddp.clusters.ray.node import NodeHelper
+
+                remote = ray.remote(NodeHelper)
+                options: dict[str, Any] = {
+                    "num_cpus": 0,
+                    "max_concurrency": 16,  # poll, send_all and stop run side by side
+                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+                }
+                if self.runtime_env:
+                    options["runtime_env"] = self.runtime_env
+                helper = self._helpers[node_id] = remote.options(**options).remote()
+            return helper
+
+    def info(self, node_id: str) -> dict[str, Any]:
+        """What the node's helper says of its node (address, interface, torch), cached."""
+        if node_id not in self._infos:
+            ray = self.connect()
+            self._infos[node_id] = ray.get(self.helper(node_id).info.remote())
+        return self._infos[node_id]
+
+    def forget(self, node_id: str) -> None:
+        """A helper that died or was killed: the next launch starts a new one."""
+        with self._lock:
+            self._helpers.pop(node_id, None)
+            self._infos.pop(node_id, None)
+
+
+def set_cluster(cluster: str | RayCluster | None) -> None:
+    """Launch on ``cluster`` by default from now on (``notebook_launch``, ``%%ddp``,
+    ``Session``): "ray", "ray://host:port", a :class:`RayCluster`, or None for this machine."""
+    global _default
+    _default = None if cluster is None else resolve(cluster)
+
+
+def resolve(cluster: str | RayCluster | None) -> RayCluster | None:
+    """The cluster an option names (the default from :func:`set_cluster` when None)."""
+    if cluster is None:
+        return _default
+    if isinstance(cluster, RayCluster):
+        return cluster
+    if cluster == "ray" or (isinstance(cluster, str) and cluster.startswith("ray://")):
+        address = None if cluster == "ray" else cluster
+        with _lock:
+            return _by_address.setdefault(cluster, RayCluster(address))
+    raise ValueError(
+        f"cluster={cluster!r} is not one of 'ray', 'ray://host:port', a nbddp.RayCluster, or "
+        "None (this machine)."
+    )
+
+
+def place_on_cluster(
+    cluster: RayCluster,
+    num_workers: int | str,
+    device: str,
+    nodes: int | str,
+    workers_per_node: int | str,
+) -> tuple[Literal["cuda", "cpu"], int, int]:
+    """Device, nodes and ranks per node on ``cluster``: every "auto" resolved, and every
+    request it cannot hold refused, naming what it has."""
+    alive = cluster.alive_nodes()
+    for name, value in (("nodes", nodes), ("workers_per_node", workers_per_node)):
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be an int >= 1 or 'auto'.")
+    with_gpus = [n for n in alive if n.gpus >= 1]
+    if device == "cuda" and not with_gpus:
+        raise ValueError(
+            f"device='cuda' but no node of the cluster has a GPU ({_has(alive)}). Use device='cpu'."
+        )
+    resolved: Literal["cuda", "cpu"] = (
+        "cuda"
+        if device == "cuda" or (device == "auto" and with_gpus and len(with_gpus) == len(alive))
+        else "cpu"
+    )
+
+    def capacity(node: NodeInfo) -> int:
+        return int(node.gpus if resolved == "cuda" else node.cpus)
+
+    usable = [n for n in alive if capacity(n) >= 1]
+    if workers_per_node == "auto":
+        per_node = min((capacity(n) for n in usable), default=0) if resolved == "cuda" else 1
+    else:
+        per_node = int(workers_per_node)
+    able = [n for n in usable if capacity(n) >= per_node]
+    count = len(able) if nodes == "auto" else int(nodes)
+    if per_node < 1 or count > len(able) or count < 1:
+        unit = "GPU" if resolved == "cuda" else "CPU"
+        raise ValueError(
+            f"nodes={nodes!r} with workers_per_node={per_node} ({unit}s per node) does not fit "
+            f"the cluster: {len(able)} alive node(s) can hold {per_node} rank(s) each "
+            f"({_has(alive)}). Ask for fewer nodes or ranks per node."
+        )
+    if num_workers != "auto" and num_workers != count * per_node:
+        raise ValueError(
+            f"num_workers={num_workers!r} but nodes={count} x workers_per_node={per_node} "
+            f"is {count * per_node}: give num_workers={count * per_node}, or leave it 'auto'."
+        )
+    return resolved, count, per_node
+
+
+def _has(nodes: list[NodeInfo]) -> str:
+    if not nodes:
+        return "no alive node"
+    return ", ".join(f"{n.address}: {n.cpus:g} CPUs, {n.gpus:g} GPUs" for n in nodes)

@@ -1,0 +1,233 @@
+"""A cluster node's side of a launch: the long-lived helper that runs the node's ranks.
+
+One :class:`NodeHelper` per node and kernel, hosted by Ray as an actor (see ``ray_cluster.py``;
+it is owned by the kernel's driver, never detached, so it dies with the kernel). It keeps a
+pre-warmed forkserver of its own (``forkserver.py``: a fresh interpreter that imported torch),
+so every launch gets fresh rank processes in milliseconds, exactly as on one machine: own
+session, fresh seeds, ``PR_SET_PDEATHSIG``. For each launch it
+
+* writes the call's out-of-band bytes, fetched once from Ray's object store, into a shared
+  memory segment of the node, mapped by its ranks copy-on-write;
+* starts the node's ranks with the torchrun environment of their place in the cluster, and
+  ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` set to the interface that carries the node's
+  address (unless the user set them): gloo fails whenever a hostname resolves to 127.0.0.1;
+* serves them with a :class:`~nbddp.local.group.RankGroup` on a Unix socket of the node, and
+  queues what they say and how they end, with their shown output, for the kernel's
+  :meth:`poll`: no port is opened for the kernel, which may be a laptop on ``ray://``.
+
+The kernel decides everything (``referee.py``); the node only serves and forwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import socket
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from nbddp.environment import Place, free_port, interface_of, worker_env
+from nbddp.local.forkserver import WarmStarter
+from nbddp.local.group import RankGroup
+from nbddp.wire import segment as shared
+from nbddp.wire.call import Call
+from nbddp.wire.messages import (
+    Failed,
+    JobSpec,
+    Output,
+    Printed,
+    RankEvent,
+    Received,
+    Result,
+    Task,
+    Unsendable,
+)
+
+_ANSWERS = (Result, Failed, Unsendable)
+
+
+class _Forwarder:
+    """The node's judge: decides nothing, queues every event for the kernel's next poll."""
+
+    def __init__(self) -> None:
+        self._events: list[RankEvent] = []
+        self._changed = threading.Condition()
+        self.over = False
+        self.group: RankGroup | None = None
+
+    def event(self, event: RankEvent) -> None:
+        if isinstance(event, Received) and isinstance(event.message, _ANSWERS):
+            if self.group is not None:  # what the rank printed first goes first
+                self.group.drain_output()
+            if isinstance(event.message, Result):
+                event = event._replace(buffers=[_portable(b) for b in event.buffers])
+        with self._changed:
+            self._events.append(event)
+            self._changed.notify_all()
+
+    def deadline(self) -> float | None:
+        return None
+
+    def verdict(self) -> Any:
+        return None
+
+    def take(self, timeout: float) -> list[RankEvent]:
+        with self._changed:
+            if not self._events and not self.over:
+                self._changed.wait(timeout)
+            events, self._events = self._events, []
+            return events
+
+    def write(self, text: str) -> int:  # the ranks' shown output
+        self.event(Printed(text))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _portable(buffer: Any) -> Any:
+    """A result's buffer as Ray can ship it: an array that views it (no copy here)."""
+    import numpy as np
+
+    return np.frombuffer(buffer, dtype=np.uint8)
+
+
+class _NodeRun:
+    def __init__(self, group: RankGroup, forwarder: _Forwarder) -> None:
+        self.group = group
+        self.forwarder = forwarder
+        self.thread = threading.Thread(target=self._serve, name="nbddp-node-run", daemon=True)
+
+    def _serve(self) -> None:
+        try:
+            self.group.run(self.forwarder)
+        finally:
+            with self.forwarder._changed:
+                self.forwarder.over = True
+                self.forwarder._changed.notify_all()
+
+
+class NodeHelper:
+    """The actor's class (made remote by ``ray_cluster.py``)."""
+
+    def __init__(self) -> None:
+        self._starter = WarmStarter()
+        self._starter.prestart()
+        self._runs: dict[str, _NodeRun] = {}
+        import ray
+
+        self._address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+
+    def info(self) -> dict[str, Any]:
+        import torch
+
+        self._starter.warm_up()
+        return {
+            "address": self._address,
+            "interface": interface_of(self._address),
+            "hostname": socket.gethostname(),
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "pid": os.getpid(),
+        }
+
+    def free_port(self) -> int:
+        return free_port(host="")  # free on every interface: the ranks of other nodes come
+
+    def missing_modules(self, names: list[str]) -> list[str]:
+        """The modules the call needs by name that this node cannot import."""
+        missing = []
+        for name in names:
+            try:
+                if importlib.util.find_spec(name) is None:
+                    missing.append(name)
+            except (ImportError, ValueError):
+                missing.append(name)
+        return missing
+
+    def start(
+        self,
+        run_id: str,
+        places: list[Place],
+        master: tuple[str, int],
+        spec: JobSpec,
+        stream: bytes,
+        buffers: list[Any],
+        output: Output,
+        user_env: Mapping[str, str],
+        gpus: tuple[int, ...],
+    ) -> dict[int, int]:
+        """Start this node's ranks of a launch; their pids by rank."""
+        segment = shared.Segment([memoryview(b) for b in buffers]) if buffers else None
+        call = Call(stream, segment)
+        interface = interface_of(self._address)
+        envs = {}
+        for place in places:
+            env = worker_env(
+                place,
+                master[1],
+                run_id,
+                device=spec.device,
+                gpus=gpus,
+                user_env=user_env,
+                master_addr=master[0],
+            )
+            if interface is not None:
+                env.setdefault("GLOO_SOCKET_IFNAME", interface)
+                env.setdefault("NCCL_SOCKET_IFNAME", interface)
+            envs[place.rank] = env
+        forwarder = _Forwarder()
+        # the kernel's paths mean nothing here: the node's own (Ray's working_dir included)
+        spec = dataclasses.replace(spec, sys_path=tuple(sys.path), cwd=os.getcwd())
+        group = RankGroup(
+            [p.rank for p in places], envs, spec, call, self._starter, output, forwarder
+        )
+        forwarder.group = group
+        self._starter.warm_up()
+        group.start()
+        run = self._runs[run_id] = _NodeRun(group, forwarder)
+        run.thread.start()
+        return group.pids
+
+    def poll(self, run_id: str, timeout: float = 0.05) -> tuple[list[RankEvent], bool]:
+        """What happened since the last poll (waiting up to ``timeout`` for something), and
+        whether the node's part of the run is over."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return [], True
+        return run.forwarder.take(timeout), run.forwarder.over
+
+    def send_all(self, run_id: str, message: Any) -> None:
+        run = self._runs.get(run_id)
+        if run is not None:
+            run.group.send_all(message)
+
+    def send_task(self, run_id: str, task: Task, buffers: list[Any]) -> None:
+        """A session's task to this node's ranks, its tensors in a segment they map."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return
+        segment = shared.Segment([memoryview(b) for b in buffers]) if buffers else None
+        call = Call(task.call, segment)
+        run.group.send_all(task._replace(shared=call.layout), call.fds, then=call.close)
+
+    def set_output(self, run_id: str, mode: Output) -> None:
+        run = self._runs.get(run_id)
+        if run is not None:
+            run.group.set_output(mode, run.forwarder)
+
+    def stop(self, run_id: str) -> None:
+        """End the node's ranks of this launch and everything they started; returns when
+        they are gone."""
+        run = self._runs.pop(run_id, None)
+        if run is not None:
+            run.group.stop()
+            run.thread.join()
+
+    def pids(self, run_id: str) -> dict[int, int]:
+        run = self._runs.get(run_id)
+        return run.group.pids if run is not None else {}

@@ -1,0 +1,158 @@
+"""The processes that run ranks: how one is started cold, watched, and ended with everything
+it started.
+
+* :class:`ColdStarter` starts a rank as a fresh interpreter (``sys.executable`` running the
+  run's ``__main__`` script) in a session of its own; never a fork of the kernel. The
+  pre-warmed starter (``forkserver.py``) implements the same :class:`Starter` protocol.
+* :func:`exit_status` reads how a process ended without reaping it (``WNOWAIT``), so its pid,
+  which is also its process-group id, stays ours to signal until :meth:`release`.
+* :func:`terminate` is the one teardown: SIGTERM to every rank's process group, a grace
+  period, then SIGKILL to the groups and to every process that belongs to the run but left
+  them (see :func:`run_processes`), then reap.
+
+Non-goal: restarting ranks; a run is all-or-nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import wait
+from typing import Protocol
+
+from nbddp.environment import RUN_ID_VARIABLE
+from nbddp.worker.reaping import exit_status, process_table, signal_each
+
+TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL
+
+
+class WorkerProcess(Protocol):
+    """One started rank, as the supervisor sees it."""
+
+    pid: int
+    sentinel: int  # a file descriptor that becomes readable once the process has ended
+
+    def exitcode(self) -> int | None:
+        """The exit code (negative: killed by that signal), or None while it runs. Never
+        blocks."""
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the rank and every process left in its process group."""
+
+    def release(self) -> None:
+        """Reap the ended process and free what tracks it."""
+
+
+class Starter(Protocol):
+    def warm_up(self) -> None:
+        """Wait, interruptibly, until starting ranks is quick (a pre-warmed helper is ready, or
+        will not be); called before the uninterruptible start."""
+
+    def start(
+        self, argv: list[str], env: dict[str, str], stdout: int, stderr: int
+    ) -> WorkerProcess:
+        """Start one rank with these pipe ends as its stdout/stderr."""
+
+
+def signal_group(leader: int, signum: int) -> None:
+    """Signal a rank's whole process group (it leads its own session); gone is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signum)
+
+
+class ColdProcess:
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.sentinel = os.pidfd_open(popen.pid)
+        self._code: int | None = None
+
+    def exitcode(self) -> int | None:
+        if self._code is None:
+            self._code = exit_status(self.pid)
+        return self._code
+
+    def signal_group(self, signum: int) -> None:
+        signal_group(self.pid, signum)
+
+    def release(self) -> None:
+        self._popen.wait()
+        os.close(self.sentinel)
+
+
+class ColdStarter:
+    """A brand-new interpreter per rank: ~1-2 s of ``import torch`` each, nothing inherited."""
+
+    def warm_up(self) -> None:
+        pass
+
+    def start(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> ColdProcess:
+        popen = subprocess.Popen(
+            [sys.executable, *argv],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+            close_fds=True,
+        )
+        return ColdProcess(popen)
+
+
+def terminate(
+    processes: Sequence[WorkerProcess], run_id: str, since: float, grace: float = TERM_GRACE
+) -> None:
+    """End every rank and everything the run started; the same path for every ending.
+
+    TERM goes to each rank's process group, KILL after ``grace`` seconds (at once when they are
+    gone) to the groups and to the run's strays (:func:`strays`). When every rank had already
+    exited with code 0 there is nothing to look for: a rank ends its own descendants before it
+    exits (``worker/entry.py``).
+    """
+    clean = all(p.exitcode() == 0 for p in processes)
+    pids = [p.pid for p in processes]
+    found = set() if clean else strays(run_id, pids, since)
+    alive = [p for p in processes if p.exitcode() is None]
+    for process in alive:
+        process.signal_group(signal.SIGTERM)
+    signal_each(found, signal.SIGTERM)
+    give_up = time.monotonic() + grace
+    while alive and time.monotonic() < give_up:
+        wait([p.sentinel for p in alive], timeout=give_up - time.monotonic())
+        alive = [p for p in alive if p.exitcode() is None]
+    for process in processes:  # the leader and anything still in its group
+        process.signal_group(signal.SIGKILL)
+    if not clean:
+        found |= strays(run_id, pids, since)
+        signal_each(found, signal.SIGKILL)
+    for process in processes:
+        process.release()
+
+
+def strays(run_id: str, ranks: Sequence[int], since: float) -> set[int]:
+    """The live processes of a run other than its ranks: the ranks' descendants whatever their
+    session, and processes of ours started since the run began (``since``, a ``time.time()``)
+    whose environment carries the run's id (orphans re-parented away from the ranks).
+
+    What cannot be found is the documented limit: a process that changed its user, or one
+    forked without ``exec`` by a pre-warmed rank that was killed, once it left the tree
+    (the pre-warmed helper ends those itself, as their reaper).
+    """
+    table = process_table()
+    found = table.descendants(ranks)
+    marker = f"{RUN_ID_VARIABLE}={run_id}".encode()
+    for pid, started in table.started.items():
+        if pid in found or started < since - 1.0:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.add(pid)
+        except OSError:
+            continue
+    return found - set(ranks) - {os.getpid()}

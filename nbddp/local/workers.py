@@ -1,0 +1,150 @@
+"""Ranks as processes on this machine: the :class:`~nbddp.backend.Backend` of a launch with
+more than one rank and no cluster.
+
+A :class:`~nbddp.local.group.RankGroup` starts the ranks and serves them; a
+:class:`~nbddp.rules.referee.Referee` judges what they report. Both run on one thread, so a rank
+that dies is noticed at once, a large result arriving holds up nothing else, and a stop is
+honoured within milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+
+from nbddp import interrupts
+from nbddp.backend import Finish, Outcome, RunEvents, Writable
+from nbddp.environment import (
+    device_indices,
+    free_port,
+    interface_of,
+    notebook_logging,
+    single_node,
+    worker_env,
+)
+from nbddp.errors import NbddpError, warn_user
+from nbddp.local.forkserver import default_starter
+from nbddp.local.group import RankGroup
+from nbddp.local.processes import Starter
+from nbddp.plan import LaunchPlan
+from nbddp.rules.referee import Referee
+from nbddp.wire.call import Call
+from nbddp.wire.messages import JobSpec
+
+
+def local_group(
+    plan: LaunchPlan,
+    call: Call,
+    starter: Starter | None = None,
+    target: Writable | None = None,
+    session: bool = False,
+) -> RankGroup:
+    """The ranks of ``plan`` on this machine, ready to start: their torchrun environment (a
+    fresh rendezvous port, the loopback interface) and their job spec."""
+    starter = starter or default_starter()
+    starter.warm_up()
+    run_id = f"nbddp-{os.getpid()}-{secrets.token_hex(4)}"
+    port = free_port()
+    loopback = interface_of("127.0.0.1")
+    envs = {
+        rank: worker_env(
+            single_node(rank, plan.world_size),
+            port,
+            run_id,
+            device=plan.device,
+            gpus=plan.gpus,
+            user_env=plan.env,
+            interface=loopback,  # one machine: every rank on the loopback interface
+        )
+        for rank in range(plan.world_size)
+    }
+    spec = JobSpec(
+        address="",
+        authkey="",
+        run_id=run_id,
+        sys_path=tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path),
+        cwd=os.getcwd(),
+        device=plan.device,
+        device_index=device_indices(plan.gpus),
+        backend=plan.backend,
+        return_all=plan.return_all,
+        output=plan.output,
+        logging=notebook_logging(),
+        session=session,
+    )
+    return RankGroup(range(plan.world_size), envs, spec, call, starter, plan.output, target)
+
+
+class LocalWorkers:
+    """One launch's processes from start to teardown."""
+
+    nodes: tuple[str, ...] = ("localhost",)
+
+    def __init__(self, plan: LaunchPlan, call: Call, starter: Starter | None = None) -> None:
+        _warn_if_kernel_holds_gpus(plan)
+        self.plan = plan
+        self._call = call
+        self._starter = starter
+        self._group: RankGroup | None = None
+        self._referee: Referee | None = None
+
+    def start(self, events: RunEvents, finish: Finish) -> None:
+        """Start every rank and the loop. Cleans up if anything fails."""
+        plan = self.plan
+        group = self._group = local_group(plan, self._call, self._starter, events.output)
+        self._referee = Referee(
+            plan.world_size, plan.return_all, plan.timeout, events, broadcast=group.send_all
+        )
+        supervisor = threading.Thread(
+            target=self._supervise, args=(finish,), name="nbddp-supervisor", daemon=True
+        )
+        try:
+            with interrupts.deferred():  # an interrupt lands after the whole start (or cleanup)
+                group.start()
+                supervisor.start()
+        except BaseException:
+            if supervisor.is_alive():  # interrupted right after the start: end it all first
+                self.stop()
+                with interrupts.deferred():
+                    supervisor.join()
+            raise
+
+    def stop(self) -> None:
+        if self._referee is not None:
+            self._referee.stop()
+        if self._group is not None:
+            self._group.stop()
+
+    def _supervise(self, finish: Finish) -> None:
+        assert self._group is not None and self._referee is not None
+        result = Outcome("failed")
+        try:
+            result = self._group.run(self._referee) or Outcome("stopped")
+        except BaseException as exc:  # a bug of ours must still end the run cleanly
+            error = NbddpError(f"nbddp's supervisor failed: {exc!r} (see the cause below)")
+            error.__cause__ = exc
+            result = Outcome("failed", error=error)
+        finally:
+            self._group.teardown()
+            finish(result)
+
+
+def _warn_if_kernel_holds_gpus(plan: LaunchPlan) -> None:
+    """The kernel's own CUDA memory is memory rank 0 does not have: say so, once per launch."""
+    if plan.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return
+    held = []
+    for index in sorted(set(plan.gpus)):
+        reserved = torch.cuda.memory_reserved(index)
+        held.append(f"GPU {index} ({reserved / 2**30:.2f} GiB reserved by PyTorch + its context)")
+    warn_user(
+        "this kernel holds a CUDA context on " + ", ".join(held) + ", which the workers also "
+        "use: they have that much less memory. If a rank runs out of memory, free it with "
+        "`del` and torch.cuda.empty_cache(), or restart the kernel before launching."
+    )

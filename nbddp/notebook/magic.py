@@ -1,0 +1,291 @@
+"""``%%ddp``: run a notebook cell on every rank, with the namespace going in and out.
+
+    %load_ext nbddp
+    %%ddp -n 2 --device cpu
+    model = nbddp.prepare_model(Net())
+    ...
+
+The names the cell reads are shipped from the notebook (functions and classes by value,
+modules by name); afterwards the names it assigned on rank 0 are put back (tensors on the
+CPU, DDP unwrapped), and its last expression is shown like a normal cell's. With one worker
+the cell runs in the kernel's own namespace, exactly like a normal cell.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from nbddp.errors import NbddpError, SerializationError, WorkerError
+from nbddp.launch import launch_plan
+from nbddp.notebook import cell as cells
+from nbddp.plan import BACKENDS, DEVICE_OPTIONS, DISPLAYS, OUTPUTS, LaunchPlan, make_plan
+from nbddp.wire import payload
+from nbddp.wire.culprit import locate_unpicklable
+from nbddp.worker.cell import CellOutcome, run_cell
+
+_counter = itertools.count(1)
+
+
+class _CellFailed(NbddpError):
+    """The in-kernel cell raised; IPython already showed its traceback, so show nothing more
+    (``_render_traceback_``), but still end the cell in error, as a normal cell would."""
+
+    def _render_traceback_(self) -> list[str]:
+        return []
+
+
+@magics_class
+class DDPMagics(Magics):
+    @magic_arguments()
+    @argument(
+        "-n",
+        "--num-workers",
+        type=int,
+        default=None,
+        help="ranks to run (default: one per visible GPU; 1 without GPU = in the kernel)",
+    )
+    @argument("--device", choices=DEVICE_OPTIONS, default="auto")
+    @argument(
+        "--backend", choices=BACKENDS, default=None, help="default: nccl on cuda, gloo on cpu"
+    )
+    @argument("--timeout", type=float, default=None, help="seconds for the whole run")
+    @argument("--display", choices=DISPLAYS, default="auto")
+    @argument("--output", choices=OUTPUTS, default="rank0", help="whose prints reach the notebook")
+    @argument(
+        "--out",
+        type=str,
+        default=None,
+        metavar="NAME,NAME",
+        help="bring back only these names (default: every name the cell assigns)",
+    )
+    @argument("--no-out", action="store_true", help="bring nothing back into the notebook")
+    @argument(
+        "--session",
+        action="store_true",
+        help="run on the ranks of %%ddp_session start, in the namespace they keep; only "
+        "--out names come back",
+    )
+    @argument(
+        "--cluster",
+        type=str,
+        default=None,
+        metavar="ray|ray://HOST:PORT",
+        help="run on a Ray cluster (default: nbddp.set_cluster's, else this machine)",
+    )
+    @argument("--nodes", type=int, default=None, help="cluster nodes (default: every alive one)")
+    @argument(
+        "--workers-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: its GPUs on cuda, 1 on cpu)",
+    )
+    @cell_magic
+    def ddp(self, line: str, cell: str) -> Any:
+        """Run this cell as a DistributedDataParallel job, one rank per GPU (or -n gloo ranks
+        on the CPU), and bring the names it assigns on rank 0 back into the notebook.
+
+        The cell may use anything defined in earlier cells. Inside it, nbddp.rank(),
+        nbddp.prepare_model(), nbddp.prepare_loader(), nbddp.log() and nbddp.progress() work
+        as in notebook_launch. A failure on any rank ends every rank and raises here.
+        """
+        __tracebackhide__ = True  # IPython: show the user's frames, not ours
+        args = parse_argstring(self.ddp, line)
+        if args.out is not None and args.no_out:
+            raise UsageError("%%ddp: use either --out NAME,NAME or --no-out, not both.")
+        if args.session:
+            return self._run_in_session(line, cell, args)
+        try:
+            plan = make_plan(
+                num_workers="auto" if args.num_workers is None else args.num_workers,
+                device=args.device,
+                backend=args.backend,
+                timeout=args.timeout,
+                display=args.display,
+                output=args.output,
+                cluster=args.cluster,
+                nodes="auto" if args.nodes is None else args.nodes,
+                workers_per_node=(
+                    "auto" if args.workers_per_node is None else args.workers_per_node
+                ),
+            )
+        except ValueError as exc:
+            raise UsageError(f"%%ddp: {exc}") from None
+        if plan.in_kernel:
+            return self._run_in_kernel(cell, plan)
+        return self._run_on_workers(line, cell, plan, args)
+
+    def _run_in_kernel(self, cell: str, plan: LaunchPlan) -> None:
+        shell = self.shell
+        assert shell is not None  # a registered magic always has its shell
+
+        def run_like_a_normal_cell() -> None:
+            result = shell.run_cell(cell, store_history=False)
+            if result.error_in_exec is not None or result.error_before_exec is not None:
+                raise _CellFailed("the cell raised")
+
+        try:
+            launch_plan(run_like_a_normal_cell, (), {}, plan)
+        except WorkerError as exc:
+            if isinstance(exc.__cause__, _CellFailed):
+                raise exc.__cause__ from None
+            raise
+
+    def _run_on_workers(self, line: str, cell: str, plan: LaunchPlan, args: Any) -> Any:
+        __tracebackhide__ = True  # IPython: show the user's frames, not ours
+        source, filename, names = self._prepare_cell(line, cell)
+        out_names = self._out_names(args, names, filename, held=frozenset())
+        inputs = self._inputs(names, held=frozenset())
+        outcome: CellOutcome = launch_plan(
+            run_cell,
+            (source, filename, inputs, out_names, cells.shows_last_value(source), names.deletes),
+            {},
+            plan,
+            names=inputs,
+        )
+        return self._bring_back(outcome, source, filename, "the ranks that held them have ended")
+
+    def _run_in_session(self, line: str, cell: str, args: Any) -> Any:
+        """``%%ddp --session``: the cell runs in the ranks' own namespace; names it reads come
+        from there first, then from the notebook; only ``--out`` names come back."""
+        __tracebackhide__ = True
+        from nbddp.sessions.session import current
+
+        placement = {
+            "-n": args.num_workers,
+            "--device": None if args.device == "auto" else args.device,
+            "--backend": args.backend,
+            "--cluster": args.cluster,
+            "--nodes": args.nodes,
+            "--workers-per-node": args.workers_per_node,
+        }
+        given = [flag for flag, value in placement.items() if value is not None]
+        if given:
+            raise UsageError(
+                f"%%ddp --session runs on the session's ranks, so {', '.join(given)} belongs "
+                "to %ddp_session start."
+            )
+        session = current()
+        if session is None:
+            raise UsageError(
+                "%%ddp --session: no session is running. Start one first: "
+                "%ddp_session start -n 2 (or --device cuda for one rank per GPU)."
+            )
+        source, filename, names = self._prepare_cell(line, cell)
+        held = session.names
+        out_names = self._out_names(args, names, filename, held, default=())
+        inputs = self._inputs(names, held)
+        outcome: CellOutcome = session.run_cell(
+            source,
+            filename,
+            inputs,
+            out_names,
+            cells.shows_last_value(source),
+            names.deletes,
+            timeout=args.timeout,
+            display=args.display,
+            output=args.output,
+        )
+        return self._bring_back(outcome, source, filename, "they stay on the session's ranks")
+
+    def _prepare_cell(self, line: str, cell: str) -> tuple[str, str, cells.CellNames]:
+        assert self.shell is not None
+        if self.shell.transform_cell(cell) != cell:
+            raise UsageError(
+                "%%ddp: this cell uses IPython syntax (!command, %magic, ?help), which the "
+                "ranks cannot run: they run plain Python. Move that line to a cell of its own."
+            )
+        source = "\n" + cell  # line 1 is the %%ddp line: the cell's line numbers hold
+        filename = f"<%%ddp cell {next(_counter)}>"
+        cells.register_source(filename, f"%%ddp {line}\n" + cell)
+        return source, filename, cells.analyze(source)
+
+    @staticmethod
+    def _out_names(
+        args: Any,
+        names: cells.CellNames,
+        filename: str,
+        held: frozenset[str],
+        default: tuple[str, ...] | None = None,
+    ) -> tuple[str, ...]:
+        """What comes back: ``--out`` names, or every name the cell assigns (``default``
+        otherwise: nothing, in a session)."""
+        if args.no_out:
+            return ()
+        if args.out is None:
+            return names.writes if default is None else default
+        out_names = tuple(n.strip() for n in args.out.split(",") if n.strip())
+        never = [n for n in out_names if n not in names.writes and n not in held]
+        if never:
+            cells.warn_in_cell(
+                f"--out {', '.join(never)}: the cell never assigns {_them(never)}, so "
+                f"{_it_they(never)} cannot come back.",
+                filename,
+                1,
+            )
+        return out_names
+
+    def _inputs(self, names: cells.CellNames, held: frozenset[str]) -> dict[str, Any]:
+        """The notebook's values of the names the cell reads (those the ranks hold resolve
+        there and are not shipped)."""
+        assert self.shell is not None
+        user_ns = self.shell.user_ns
+        inputs = {n: user_ns[n] for n in sorted(names.reads - held) if n in user_ns}
+        return _travelling_inputs(inputs, rebound=set(names.writes))
+
+    def _bring_back(self, outcome: CellOutcome, source: str, filename: str, fate: str) -> Any:
+        assert self.shell is not None
+        user_ns = self.shell.user_ns
+        user_ns.update(outcome.values)
+        for name in outcome.deleted:
+            user_ns.pop(name, None)
+        if outcome.skipped:
+            skipped = list(outcome.skipped)
+            detail = "; ".join(f"{n}: {why}" for n, why in outcome.skipped.items())
+            cells.warn_in_cell(
+                f"%%ddp could not bring back {', '.join(skipped)}: {_it_they(skipped)} cannot "
+                f"be pickled, and {fate} ({detail}).",
+                filename,
+                cells.binding_line(source, skipped[0]),
+            )
+        return outcome.shown
+
+
+def _it_they(names: list[str]) -> str:
+    return "it" if len(names) == 1 else "they"
+
+
+def _them(names: list[str]) -> str:
+    return "it" if len(names) == 1 else "them"
+
+
+def _travelling_inputs(inputs: dict[str, Any], rebound: set[str]) -> dict[str, Any]:
+    """Check every input once; name the first that cannot travel. A name the cell binds
+    itself may not need its old value: drop it instead (a real need shows as NameError)."""
+    kept = {}
+    for name, value in inputs.items():
+        failure = payload.check_picklable(value)
+        if failure is None:
+            kept[name] = value
+        elif name not in rebound:
+            path, reason = locate_unpicklable(value, name, failure, payload.check_picklable)
+            raise SerializationError(
+                f"the %%ddp cell's input {name!r} to the workers", path, reason
+            )
+    return kept
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    from nbddp.notebook.session_magic import SessionMagics
+
+    ipython.register_magics(DDPMagics)
+    ipython.register_magics(SessionMagics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    ipython.magics_manager.magics["cell"].pop("ddp", None)
+    ipython.magics_manager.magics["line"].pop("ddp_session", None)

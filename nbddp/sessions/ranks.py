@@ -1,0 +1,325 @@
+"""A session's ranks: started once, then serving one task after another.
+
+Where they run is a :class:`RanksIO`: on this machine one
+:class:`~nbddp.local.group.RankGroup` kept for the session's life (:class:`LocalIO`); on a Ray
+cluster each node's helper keeping its group (``RayWorkers`` with ``session=True``). Their
+loop runs on a thread of its own, judged by a :class:`_Dispatcher` that hands each task's
+events to that task's :class:`~nbddp.rules.task_referee.TaskReferee` and watches the ranks between
+tasks (one that dies while idle ends the session's ranks). When a task's ranks are stuck,
+the loop ends, which tears the ranks down, and only then is the task's outcome reported: a
+user who sees the error never waits on a leftover process.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from nbddp.backend import Outcome, RunEvents, Writable
+from nbddp.errors import NbddpError, describe_exit
+from nbddp.local.processes import Starter
+from nbddp.local.workers import local_group
+from nbddp.plan import LaunchPlan
+from nbddp.rules.task_referee import TaskReferee, TaskVerdict
+from nbddp.rules.tracker import RunTracker
+from nbddp.wire.call import Call
+from nbddp.wire.messages import (
+    DeviceName,
+    Ended,
+    Failed,
+    Interrupt,
+    Joined,
+    Names,
+    Output,
+    Printed,
+    Probe,
+    RankEvent,
+    RankStatus,
+    Received,
+    Task,
+)
+
+PROBE_WAIT = 2.0  # seconds ranks get to answer a status probe
+
+Finish = Callable[[TaskVerdict], None]
+
+
+class _Dispatcher:
+    """The loop's judge for the session's whole life (called on the loop's thread only, but
+    for the attributes the kernel's thread sets before it wakes the loop)."""
+
+    def __init__(self, ranks: SessionRanks) -> None:
+        self._ranks = ranks
+        self.joined: set[int] = set()
+        self.ready = threading.Event()
+        self.start_failures = RunTracker(ranks.world_size, False)
+        self.task: TaskReferee | None = None
+        self.finish: Finish | None = None
+        self.left_over: tuple[TaskVerdict, Finish] | None = None  # reported after teardown
+        self.died_idle: Ended | None = None
+        self.closing = False
+
+    def event(self, event: RankEvent) -> None:
+        ranks = self._ranks
+        match event:
+            case Received(rank=rank, message=Joined()):
+                self.joined.add(rank)
+                if len(self.joined) == ranks.world_size:
+                    self.ready.set()
+                return
+            case Received(message=DeviceName(name=name)):
+                ranks.device_name = name
+                return
+            case Received(message=Names(names=names)):
+                ranks.names = frozenset(names)
+                return
+            case Received(rank=rank, message=RankStatus() as status):
+                ranks.statuses[rank] = status
+                if len(ranks.statuses) == ranks.world_size:
+                    ranks.probed.set()
+                return
+            case Printed(text=text):  # a node's ranks' output (cluster sessions)
+                _write(self.task.output if self.task is not None else None, text)
+                return
+        if not self.ready.is_set():  # failing before every rank joined: the start failed
+            match event:
+                case Received(rank=rank, message=Failed(report=report)):
+                    self.start_failures.raised(rank, report)
+                case Ended(rank=rank, code=code, stderr_tail=tail):
+                    self.start_failures.ended(rank, code, tail)
+            if self.start_failures.failures:
+                self.ready.set()
+        elif self.task is not None:
+            self.task.event(event)
+        elif isinstance(event, Ended):
+            self.died_idle = event
+
+    def deadline(self) -> float | None:
+        return self.task.deadline() if self.task is not None else None
+
+    def verdict(self) -> str | None:
+        if self.task is not None:
+            verdict = self.task.verdict()
+            if verdict is not None:
+                finish, self.finish, self.task = self.finish, None, None
+                assert finish is not None
+                self._ranks.io.drain_output()  # what the ranks printed before answering
+                if verdict.stuck or verdict.died:
+                    self.left_over = (verdict, finish)
+                    return "restart"
+                finish(verdict)
+        if self.start_failures.failures:
+            return "start failed"
+        if self.died_idle is not None:
+            return "died"
+        return "closed" if self.closing else None
+
+
+def _write(target: Writable | None, text: str) -> None:
+    try:
+        (target or sys.stdout).write(text)
+        (target or sys.stdout).flush()
+    except (OSError, ValueError):
+        pass
+
+
+class RanksIO(Protocol):
+    """Where a session's ranks run: this machine (:class:`LocalIO`) or a Ray cluster
+    (:class:`~nbddp.clusters.ray.workers.RayWorkers` with ``session=True``)."""
+
+    nodes: tuple[str, ...]
+
+    @property
+    def pids(self) -> dict[int, int]: ...
+
+    def start_ranks(self) -> None: ...
+    def serve(self, judge: Any) -> Any: ...
+    def stop(self) -> None: ...
+    def teardown(self) -> None: ...
+    def send_all(self, message: Any) -> None: ...
+    def send_task(self, task: Task, call: Call) -> None: ...
+    def set_output(self, mode: Output, target: Writable | None = None) -> None: ...
+    def drain_output(self) -> None: ...
+    def wake(self) -> None: ...
+
+
+class LocalIO:
+    """A session's ranks on this machine: one RankGroup, served on the session's thread."""
+
+    nodes: tuple[str, ...] = ("localhost",)
+
+    def __init__(self, plan: LaunchPlan, starter: Starter | None = None) -> None:
+        self.group = local_group(plan, Call(b""), starter, session=True)
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return self.group.pids
+
+    def start_ranks(self) -> None:
+        self.group.start()
+
+    def serve(self, judge: Any) -> Any:
+        return self.group.run(judge)
+
+    def stop(self) -> None:
+        self.group.stop()
+
+    def teardown(self) -> None:
+        self.group.teardown()
+
+    def send_all(self, message: Any) -> None:
+        self.group.send_all(message)
+
+    def send_task(self, task: Task, call: Call) -> None:
+        self.group.send_all(task, call.fds, then=call.close)
+
+    def set_output(self, mode: Output, target: Writable | None = None) -> None:
+        self.group.set_output(mode, target)
+
+    def drain_output(self) -> None:
+        self.group.drain_output()
+
+    def wake(self) -> None:
+        self.group.wake()
+
+
+def ranks_io(plan: LaunchPlan) -> RanksIO:
+    if plan.cluster is None:
+        return LocalIO(plan)
+    from nbddp.clusters.ray.workers import RayWorkers
+
+    return RayWorkers(plan, Call(b""), session=True)
+
+
+class SessionRanks:
+    """The ranks of one session, from start to end. ``run_task`` and ``probe`` are called
+    from the kernel's thread, one task at a time."""
+
+    def __init__(self, plan: LaunchPlan, io: RanksIO | None = None) -> None:
+        self.world_size = plan.world_size
+        self.device_name = "cpu" if plan.device == "cpu" else "GPU"
+        self.names: frozenset[str] = frozenset()  # what rank 0's namespace holds
+        self.statuses: dict[int, RankStatus] = {}
+        self.probed = threading.Event()
+        self.ended: str | None = None  # why the ranks are gone, once they are
+        self.io: RanksIO = io or ranks_io(plan)
+        self._on_cluster = plan.cluster is not None
+        self._per_node = plan.workers_per_node
+        self._dispatcher = _Dispatcher(self)
+        self._loop = threading.Thread(target=self._serve, name="nbddp-session", daemon=True)
+        self._task_ids = iter(range(1, 1 << 62))
+
+    # -- life --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the ranks and wait until every one joined the process group; raises (after
+        ending them) if one fails first. An interrupt ends them too."""
+        try:
+            self.io.start_ranks()
+            self._loop.start()
+            while not self._dispatcher.ready.wait(0.1):
+                if not self._loop.is_alive():
+                    break
+        except BaseException:
+            self.close()
+            raise
+        failures = self._dispatcher.start_failures
+        if failures.failures:
+            self.close()
+            raise failures.root_cause().error.with_traceback(None)
+        if self.ended is not None:
+            raise NbddpError(f"the session's ranks ended while starting ({self.ended}).")
+
+    @property
+    def alive(self) -> bool:
+        return self.ended is None and self._loop.is_alive()
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return self.io.pids
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return self.io.nodes
+
+    def close(self) -> None:
+        """End the ranks (a running task is reported as stopped). Idempotent."""
+        self._dispatcher.closing = True
+        self.io.stop()
+        if self._loop.is_alive() and threading.current_thread() is not self._loop:
+            self._loop.join()
+        self.io.teardown()
+        if self.ended is None:
+            self.ended = "closed"
+
+    def _serve(self) -> None:
+        dispatcher = self._dispatcher
+        try:
+            why = self.io.serve(dispatcher) or "closed"
+        except BaseException as exc:  # a bug of ours must still end the ranks cleanly
+            why = f"nbddp's session loop failed: {exc!r}"
+        finally:
+            self.io.teardown()
+        if dispatcher.died_idle is not None:
+            event = dispatcher.died_idle
+
+            why = f"rank {event.rank} {describe_exit(event.code)} while the session was idle"
+        self.ended = why
+        if dispatcher.left_over is not None:
+            verdict, finish = dispatcher.left_over
+            finish(verdict)
+        elif dispatcher.finish is not None:  # closed while a task ran
+            finish, dispatcher.finish, dispatcher.task = dispatcher.finish, None, None
+            finish(TaskVerdict(Outcome("stopped"), tuple(range(self.world_size)), ()))
+
+    # -- tasks -------------------------------------------------------------------------------
+
+    def run_task(
+        self,
+        kind: str,
+        call: Call,
+        sources: dict[str, tuple[Any, ...]],
+        plan: LaunchPlan,
+        events: RunEvents,
+        finish: Finish,
+    ) -> TaskReferee:
+        """Send one task to every rank; ``finish`` is called once with its verdict."""
+        task_id = next(self._task_ids)
+        task = Task(task_id, kind, call.stream, sources, call.layout, plan.return_all, plan.output)
+        referee = TaskReferee(
+            self.world_size,
+            plan.return_all,
+            plan.timeout,
+            events,
+            interrupt=lambda: self.io.send_all(Interrupt(task_id)),
+            node_of=self._node_of,
+        )
+        self.io.set_output(plan.output, events.output)
+
+        def done(verdict: TaskVerdict) -> None:
+            if self.alive:
+                self.io.set_output("rank0")  # between tasks: the notebook's streams
+            finish(verdict)
+
+        self._dispatcher.finish = done
+        self._dispatcher.task = referee
+        self.io.send_task(task, call)
+        return referee
+
+    def _node_of(self, rank: int) -> str | None:
+        return self.io.nodes[rank // self._per_node] if self._on_cluster else None
+
+    def stop_task(self, referee: TaskReferee) -> None:
+        referee.stop()
+        self.io.wake()
+
+    def probe(self) -> dict[int, RankStatus]:
+        """Each rank's status, as far as it answers within ``PROBE_WAIT`` seconds."""
+        self.statuses = {}
+        self.probed.clear()
+        if self.alive:
+            self.io.send_all(Probe())
+            self.probed.wait(PROBE_WAIT)
+        return dict(self.statuses)

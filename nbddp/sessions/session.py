@@ -1,0 +1,389 @@
+"""``nbddp.Session``: ranks that stay up between cells, each keeping a namespace of its own.
+
+A launch gives every call fresh processes; a session starts its ranks once (process group
+joined) and runs each ``session.run(fn)`` or ``%%ddp --session`` cell on them, so a model
+loaded in one cell is trained in the next and evaluated in a third without ever leaving the
+ranks. Results, errors, the live panel, Stop and timeouts are a launch's. What differs is
+what a failure leaves behind: when every rank came back to idle, the session and its state
+survive; ranks that do not come back within ``GRACE`` seconds (stuck in a collective waiting
+for a peer that failed) or a rank that died are replaced by fresh ones, and the user is told
+that the state on the ranks is lost.
+
+The ranks are processes even with one rank (the namespace is theirs, not the notebook's). On a
+Ray cluster (``cluster=``, or ``nbddp.set_cluster``) each node's helper keeps its ranks up for
+the session, and tasks reach them through it.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from nbddp.backend import Finish, RunEvents
+from nbddp.errors import NbddpError, WorkerError, warn_user
+from nbddp.launch import check_call, stop_despite_interrupts
+from nbddp.plan import LaunchPlan, make_plan, with_run_options
+from nbddp.rules.task_referee import GRACE, TaskReferee, TaskVerdict
+from nbddp.run import Run, remember
+from nbddp.sessions.ranks import SessionRanks
+from nbddp.wire import payload
+from nbddp.wire.call import Call, dumps_call
+
+_current: Session | None = None
+
+
+def current() -> Session | None:
+    """The session ``%ddp_session start`` made (used by ``%%ddp --session``)."""
+    return _current
+
+
+def set_current(session: Session | None) -> None:
+    global _current
+    _current = session
+
+
+class Session:
+    """Ranks that stay up between cells. See API.md, "Sessions".
+
+    ``session.run(fn, ...)`` has ``notebook_launch``'s semantics, and ``fn`` runs with the
+    rank's session namespace as its globals: a global it reads resolves there first, then is
+    shipped from the notebook; a global it assigns stays for later runs and cells.
+    """
+
+    def __init__(
+        self,
+        num_workers: int | str = "auto",
+        device: str = "auto",
+        backend: str | None = None,
+        gpus: Sequence[int] | None = None,
+        env: Mapping[str, str] | None = None,
+        cluster: Any = None,
+        nodes: int | str = "auto",
+        workers_per_node: int | str = "auto",
+    ) -> None:
+        plan = make_plan(
+            num_workers=num_workers,
+            device=device,
+            backend=backend,
+            gpus=gpus,
+            env=env,
+            cluster=cluster,
+            nodes=nodes,
+            workers_per_node=workers_per_node,
+        )
+        self._plan = plan
+        self.world_size = plan.world_size
+        self.device = plan.device
+        self.backend = plan.backend
+        self._holder: list[SessionRanks | None] = [None]  # what the finalizer ends
+        self._closed = False
+        self._active: Run | None = None
+        # at kernel exit, or when the session is garbage: its ranks end
+        self._finalizer = weakref.finalize(self, _close, self._holder)
+        self._start_ranks()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        """The ranks are up (idle or running a task)."""
+        ranks = self._holder[0]
+        return not self._closed and ranks is not None and ranks.alive
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The machines' addresses, in node-rank order (``("localhost",)`` on this one)."""
+        ranks = self._holder[0]
+        return ranks.nodes if ranks is not None else ()
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The names rank 0's namespace holds (as of the last task)."""
+        ranks = self._holder[0]
+        return ranks.names if ranks is not None else frozenset()
+
+    def status(self) -> list[dict[str, Any]]:
+        """One row per rank: ``rank``, ``pid``, ``alive``, ``busy`` (None: no answer within
+        2 s), ``memory`` (resident bytes) and ``device_memory`` (bytes PyTorch reserved on
+        its GPU; None on the CPU)."""
+        ranks = self._holder[0]
+        if ranks is None:
+            return []
+        alive = ranks.alive
+        answers = ranks.probe() if alive else {}
+        rows = []
+        for rank in range(self.world_size):
+            answer = answers.get(rank)
+            rows.append(
+                {
+                    "rank": rank,
+                    "pid": ranks.pids.get(rank),
+                    "alive": alive,
+                    "busy": answer.busy if answer is not None else None,
+                    "memory": answer.memory if answer is not None else None,
+                    "device_memory": answer.device_memory if answer is not None else None,
+                }
+            )
+        return rows
+
+    # -- runs ----------------------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        return_all: bool = False,
+        block: bool = True,
+        display: str = "auto",
+        output: str = "rank0",
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` on every rank, in the session's namespace. Returns
+        rank 0's value (every rank's with ``return_all``; a :class:`nbddp.Run` with
+        ``block=False``); raises :class:`nbddp.WorkerError` when a rank raised."""
+        __tracebackhide__ = True  # IPython: show the user's frames, not ours
+        check_call(fn, args, kwargs)
+        plan = self._options(timeout, display, output, return_all, block)
+        ranks = self._ready_ranks()
+        call = dumps_call(
+            _without_names(fn, ranks.names),
+            tuple(args),
+            dict(kwargs or {}),
+            segment=self._plan.cluster is None,  # on a cluster, Ray's object store carries them
+        )
+        return self._run("function", call, plan, ranks)
+
+    def run_cell(
+        self,
+        source: str,
+        filename: str,
+        inputs: dict[str, Any],
+        out_names: tuple[str, ...],
+        show_last: bool,
+        deletes: frozenset[str],
+        **options: Any,
+    ) -> Any:
+        """A ``%%ddp --session`` cell (see ``worker/cell.py``): its CellOutcome."""
+        __tracebackhide__ = True
+        from nbddp.worker.cell import run_cell
+
+        plan = self._options(
+            options.get("timeout"),
+            options.get("display", "auto"),
+            options.get("output", "rank0"),
+            False,
+            True,
+        )
+        ranks = self._ready_ranks()
+        cell_args = (source, filename, inputs, out_names, show_last, deletes)
+        call = dumps_call(run_cell, cell_args, {}, names=inputs, segment=self._plan.cluster is None)
+        return self._run("cell", call, plan, ranks)
+
+    def pull(self, *names: str) -> dict[str, Any]:
+        """Copy names from rank 0's namespace into the notebook's hands (a dict)."""
+        __tracebackhide__ = True
+        ranks = self._ready_ranks()
+        missing = [n for n in names if n not in ranks.names]
+        if missing:
+            held = ", ".join(sorted(ranks.names)) or "nothing yet"
+            raise NameError(
+                f"rank 0 of the session has no {', '.join(map(repr, missing))} (it holds: {held})."
+            )
+        outcome = self.run_cell("", "<pull>", {}, tuple(names), False, frozenset(), display="none")
+        if outcome.skipped:
+            detail = "; ".join(f"{n}: {why}" for n, why in outcome.skipped.items())
+            raise NbddpError(f"could not bring back {detail}")
+        return dict(outcome.values)
+
+    def _options(
+        self, timeout: Any, display: Any, output: Any, return_all: Any, block: Any
+    ) -> LaunchPlan:
+        return with_run_options(
+            self._plan,
+            timeout=timeout,
+            display=display,
+            output=output,
+            return_all=return_all,
+            block=block,
+        )
+
+    def _run(self, kind: str, call: Call, plan: LaunchPlan, ranks: SessionRanks) -> Any:
+        __tracebackhide__ = True
+        task = _SessionTask(ranks, kind, call, plan)
+        run = Run(plan, task, ranks.device_name)
+        remember(run)
+        self._active = run
+        try:
+            run.start()
+            if not plan.block:
+                return run
+            run.wait()
+        except KeyboardInterrupt:
+            stop_despite_interrupts(run)
+            self._replace_if_lost(task, "the interrupt")
+            raise
+        self._replace_if_lost(task, "the stop" if run.status == "stopped" else "the failure")
+        return run.result()
+
+    # -- the ranks' life -----------------------------------------------------------------------
+
+    def _start_ranks(self) -> SessionRanks:
+        ranks = SessionRanks(self._plan)
+        self._holder[0] = ranks
+        ranks.start()
+        return ranks
+
+    def _ready_ranks(self) -> SessionRanks:
+        """The ranks, up and idle: fresh ones (with a warning) if they had ended."""
+        if self._closed:
+            raise NbddpError("this session is closed: start a new one with nbddp.Session(...).")
+        if self._active is not None and self._active.status == "running":
+            raise NbddpError(
+                "the session is still running a task (started with block=False): wait for "
+                "it with run.wait(), or stop it with run.stop(), then run the next one."
+            )
+        ranks = self._holder[0]
+        if ranks is not None and ranks.alive:
+            return ranks
+        why = ranks.ended if ranks is not None else "they never started"
+        warn_user(
+            f"the session's ranks had ended ({why}): starting fresh ranks; the state "
+            "they held is lost."
+        )
+        return self._start_ranks()
+
+    def _replace_if_lost(self, task: _SessionTask, what: str) -> None:
+        """After a blocking task whose ranks were ended: fresh ranks now, and say so."""
+        verdict = task.verdict
+        if verdict is None or not (verdict.stuck or verdict.died):
+            return
+        if not (
+            verdict.outcome.error is not None and isinstance(verdict.outcome.error, WorkerError)
+        ):
+            warn_user(restart_note(verdict, what))  # a WorkerError carries it in its message
+        try:
+            self._start_ranks()
+        except Exception as exc:
+            warn_user(f"fresh ranks could not start ({exc}); session.restart() tries again.")
+
+    def restart(self) -> None:
+        """End the ranks and start fresh ones (their state is lost)."""
+        self._end_ranks()
+        self._closed = False
+        self._start_ranks()
+
+    def close(self) -> None:
+        """End the ranks; nothing is left running. Idempotent."""
+        self._closed = True
+        self._end_ranks()
+        if current() is self:
+            set_current(None)
+
+    def _end_ranks(self) -> None:
+        if self._active is not None and self._active.status == "running":
+            self._active.stop()
+        _close(self._holder)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("alive" if self.alive else "ranks ended")
+        plan = self._plan
+        where = f"{self.world_size} × {self.device}"
+        if plan.cluster is not None:
+            where = f"{plan.nodes} nodes × {plan.workers_per_node} {self.device}"
+        return f"<nbddp.Session {where} ({self.backend}), {state}>"
+
+
+def _close(holder: list[SessionRanks | None]) -> None:
+    ranks, holder[0] = holder[0], None
+    if ranks is not None:
+        ranks.close()
+
+
+def restart_note(verdict: TaskVerdict, what: str) -> str:
+    if verdict.died:
+        who = ", ".join(map(str, verdict.died))
+        cause = f"rank {who} died, which breaks the process group"
+    else:
+        who = ", ".join(map(str, verdict.stuck))
+        cause = (
+            f"rank {who} did not return to idle within {GRACE:g} s of {what} (stuck, e.g. in a "
+            "collective waiting for a rank that failed)"
+        )
+    return (
+        f"The session was restarted: {cause}, so its ranks were ended and fresh ones "
+        "started. State on the ranks is lost: rerun the cells that built it."
+    )
+
+
+class _SessionTask:
+    """The :class:`~nbddp.backend.Backend` of one session task: the ranks already run."""
+
+    def __init__(self, ranks: SessionRanks, kind: str, call: Call, plan: LaunchPlan) -> None:
+        self._ranks = ranks
+        self.nodes = ranks.nodes
+        self._kind = kind
+        self._call = call
+        self._plan = plan
+        self._referee: TaskReferee | None = None
+        self._finish: Finish | None = None
+        self.verdict: TaskVerdict | None = None
+
+    def start(self, events: RunEvents, finish: Finish) -> None:
+        self._finish = finish
+        sources = payload.notebook_sources()
+        self._referee = self._ranks.run_task(
+            self._kind, self._call, sources, self._plan, events, self._done
+        )
+        events.started()
+
+    def _done(self, verdict: TaskVerdict) -> None:
+        self.verdict = verdict
+        error = verdict.outcome.error
+        if (verdict.stuck or verdict.died) and isinstance(error, WorkerError):
+            error.hint = (error.hint + "\n" if error.hint else "") + restart_note(
+                verdict, "the failure"
+            )
+        assert self._finish is not None
+        self._finish(verdict.outcome)
+
+    def stop(self) -> None:
+        if self._referee is not None:
+            self._ranks.stop_task(self._referee)
+
+
+def _by_value(fn: types.FunctionType) -> bool:
+    """Shipped with its globals (the notebook's functions), not imported by name."""
+    import cloudpickle
+
+    module = fn.__module__
+    registered = cloudpickle.list_registry_pickle_by_value()
+    return module == "__main__" or any(
+        module == m or module.startswith(m + ".") for m in registered
+    )
+
+
+def _without_names(fn: Any, names: frozenset[str]) -> Any:
+    """``fn`` without the notebook globals the ranks hold already: those resolve there, so
+    shipping them would only copy (a model, a dataset) for nothing."""
+    if not isinstance(fn, types.FunctionType) or not names or not _by_value(fn):
+        return fn
+    shared = names.intersection(fn.__globals__)
+    if not shared:
+        return fn
+    kept = {k: v for k, v in fn.__globals__.items() if k not in shared}
+    copy = types.FunctionType(fn.__code__, kept, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__doc__ = fn.__doc__
+    copy.__dict__.update(fn.__dict__)
+    return copy

@@ -1,0 +1,302 @@
+"""What travels between a rank and the kernel: every message as a small typed tuple, and the
+job spec. Both sides import this module; it imports neither torch nor IPython.
+
+Worker -> kernel, in this order on each rank's connection:
+
+    Hello(rank)                       first frame, right after the handshake
+    DeviceName(rank, name)            rank 0's device, for the panel's header
+    Joined(rank)                      the rank is in the process group
+    Rows(rank, first, blocks)         rows first, first + 1, ... of ``nbddp.log``; row k of
+                                      every rank is averaged by the kernel
+    MainRows(rank, rows)              rows only rank 0 logs (a library's tracker that runs on
+                                      the main process), each with the library's step; taken
+                                      as they are, not averaged
+    Bars(rank, bars)                  a snapshot of rank 0's progress bars
+    Result(rank, stream, early_exit)  fn returned (its value pickled for rank 0 or
+                                      ``return_all``; the tensors' bytes follow as the frame's
+                                      buffers); ``early_exit``: it called sys.exit(0)
+    Failed(rank, report)              fn raised; the rank exits non-zero next
+    Unsendable(rank, path, reason)    the return value cannot travel back
+
+Kernel -> worker:
+
+    Job(call, sources, shared)        the pickled (fn, args, kwargs), the notebook's cell
+                                      sources for tracebacks, and the layout of the shared
+                                      memory segment whose descriptor travels with the frame
+    AllJoined()                       every rank is in the process group. A rank that finished
+                                      waits for this before it exits, so that none leaves
+                                      while a peer still needs it to join (rank 0 hosts the
+                                      rendezvous store); after it, a rank that leaves early
+                                      is seen by its peers, and reported as the root cause
+
+A session's ranks (``JobSpec.session``) stay up: after the ``Job`` (which carries no call) and
+``Joined``, each runs one task after another, answering every ``Task`` with ``Result``,
+``Failed`` or ``Unsendable``; rank 0 sends ``Names`` just before its answer.
+
+    Task(task, kind, call, sources, shared, return_all, output)   kernel -> rank
+    Interrupt(task)                   KeyboardInterrupt into that task's code, if it still runs
+    Probe()                           asks for a RankStatus, answered even while a task runs
+    RankStatus(rank, busy, memory, device_memory)                  rank -> kernel
+    Names(rank, names)                the names the session's namespace holds on rank 0
+
+Messages are NamedTuples: pickled in a few bytes, immutable, and matched by class in the
+supervisor (``match message: case Rows(rank, first, blocks): ...``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, NamedTuple
+
+Output = Literal["rank0", "all", "none"]  # whose output a run shows
+
+# Logged rows as a rank sends them: a block is consecutive rows with the same epoch and keys,
+# one list of values per key.
+Block = tuple[int | None, tuple[str, ...], list[list[float]]]
+
+
+class BarSnapshot(NamedTuple):
+    """One progress bar of rank 0 at one moment (``nbddp.progress``)."""
+
+    id: int
+    level: int  # 0 outermost; nested bars count up
+    desc: str | None
+    n: int
+    total: int | None
+    elapsed: float
+    closed: bool
+
+
+class ErrorReport(NamedTuple):
+    """A rank's exception, described so the kernel can raise it well."""
+
+    exc_type: str  # the class's name
+    message: str  # str(exc), or a placeholder when that raised
+    traceback: str  # from the user's frames down
+    exception: bytes | None  # the exception itself, pickled, when it pickles
+    time: float  # time.time() when it was caught
+    mro: tuple[str, ...]  # qualified names of the class and its bases, for type checks
+    module: str  # the class's module, to rebuild the class in the kernel
+
+
+class Hello(NamedTuple):
+    rank: int
+
+
+class DeviceName(NamedTuple):
+    rank: int
+    name: str
+
+
+class Rows(NamedTuple):
+    rank: int
+    first: int
+    blocks: list[Block]
+
+
+class MainRows(NamedTuple):
+    rank: int
+    rows: list[tuple[int | None, dict[str, float]]]  # (step or None, values)
+
+
+class Bars(NamedTuple):
+    rank: int
+    bars: list[BarSnapshot]
+
+
+class Result(NamedTuple):
+    rank: int
+    stream: bytes | None  # None: this rank's value is not wanted (rank > 0, not return_all)
+    early_exit: bool = False
+
+
+class Failed(NamedTuple):
+    rank: int
+    report: ErrorReport
+
+
+class Unsendable(NamedTuple):
+    rank: int
+    path: str
+    reason: str
+
+
+# -- a machine's ranks, as a judge hears them (rankgroup.py; forwarded by a cluster's node) --
+
+
+class Received(NamedTuple):
+    """A rank's message (Rows, Result, Failed, ...), with the frame's buffers."""
+
+    rank: int
+    message: Any
+    buffers: list[Any]
+
+
+class Ended(NamedTuple):
+    """A rank's process ended (negative code: the signal), with its last lines of stderr."""
+
+    rank: int
+    code: int | None
+    stderr_tail: str
+
+
+class Started(NamedTuple):
+    """Every rank of the group has its job."""
+
+
+class Printed(NamedTuple):
+    """Output of the ranks a cluster node shows (already prefixed), for the notebook."""
+
+    text: str
+
+
+RankEvent = Received | Ended | Started | Printed
+
+
+class SharedLayout(NamedTuple):
+    """Where each out-of-band buffer of the call sits in the shared memory segment."""
+
+    size: int
+    spans: list[tuple[int, int]]  # (offset, length) per buffer, in pickling order
+
+
+class Job(NamedTuple):
+    call: bytes
+    sources: dict[str, tuple[Any, ...]]
+    shared: SharedLayout | None
+
+
+class Task(NamedTuple):
+    task: int
+    kind: str  # "function": fn runs with the session namespace as its globals; "cell": a cell
+    call: bytes
+    sources: dict[str, tuple[Any, ...]]
+    shared: SharedLayout | None
+    return_all: bool
+    output: str
+
+
+class Interrupt(NamedTuple):
+    task: int
+
+
+class Probe(NamedTuple):
+    pass
+
+
+class RankStatus(NamedTuple):
+    rank: int
+    busy: bool
+    memory: int  # the process's resident bytes
+    device_memory: int | None  # bytes PyTorch holds on the rank's GPU (None on the CPU)
+
+
+class Names(NamedTuple):
+    rank: int
+    names: tuple[str, ...]
+
+
+class Joined(NamedTuple):
+    rank: int
+
+
+class AllJoined(NamedTuple):
+    pass
+
+
+SPEC = "spec.json"  # the JobSpec's file name in the run's private directory
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every rank needs before it can connect: written once by the kernel into the run's
+    private directory (``spec.json``), read once by each rank. Rank, world size and the
+    rendezvous address travel as the torchrun environment variables, as torchrun sets them."""
+
+    address: str  # the kernel's channel (a Unix socket path)
+    authkey: str  # hex of the per-run key of the handshake
+    run_id: str
+    sys_path: tuple[str, ...]
+    cwd: str
+    device: str  # "cuda" or "cpu"
+    device_index: tuple[int, ...]  # each rank's cuda index inside its process
+    backend: str
+    return_all: bool
+    output: str = "rank0"  # whose output is shown: other ranks' progress bars stay silent
+    logging: tuple[int, str, str | None] | None = None  # the notebook's level, format, datefmt
+    session: bool = False  # the ranks stay up and run Tasks (worker/session.py)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> JobSpec:
+        fields = json.loads(data)
+        fields["sys_path"] = tuple(fields["sys_path"])
+        fields["device_index"] = tuple(fields["device_index"])
+        if fields.get("logging") is not None:
+            fields["logging"] = tuple(fields["logging"])
+        return cls(**fields)
+
+
+Message = (
+    Hello
+    | DeviceName
+    | Joined
+    | Rows
+    | MainRows
+    | Bars
+    | Result
+    | Failed
+    | Unsendable
+    | Job
+    | AllJoined
+    | Task
+    | Interrupt
+    | Probe
+    | RankStatus
+    | Names
+)
+
+
+# -- the kernel and its pre-warmed helper (forkserver.py, worker/forkserver.py) ---------------
+
+
+class Spawn(NamedTuple):
+    """Kernel -> helper: fork a rank running ``argv`` with ``env``; its stdout and stderr pipe
+    ends ride on the frame."""
+
+    request: int
+    argv: list[str]
+    env: dict[str, str]
+
+
+class Release(NamedTuple):
+    """Kernel -> helper: the rank ended and was seen to end; reap it."""
+
+    pid: int
+
+
+class Ready(NamedTuple):
+    """Helper -> kernel: torch is imported, requests are served from now on."""
+
+    pid: int
+
+
+class Spawned(NamedTuple):
+    request: int
+    pid: int
+
+
+class SpawnFailed(NamedTuple):
+    request: int
+    reason: str
+
+
+class Exited(NamedTuple):
+    """Helper -> kernel: a rank ended (negative code: the signal); it stays unreaped until
+    released, so its pid stays the kernel's to signal."""
+
+    pid: int
+    code: int
