@@ -68,12 +68,33 @@ def test_an_input_that_cannot_travel_is_named(magic_kernel):
 def test_an_output_that_cannot_travel_back_is_skipped_with_a_warning(magic_kernel):
     out, reply = magic_kernel.run(f"{TWO}\nkept = 5\nlock_made = threading.Lock()")
     assert reply["status"] == "ok", out
-    # shown against the user's cell and line, in words for one name
+    # shown against the user's cell and line, naming the path to the part that cannot travel
     assert (
-        "<%%ddp cell" in out and ":3: NbddpWarning: %%ddp could not bring back lock_made: it" in out
+        "<%%ddp cell" in out and ":3: NbddpWarning: %%ddp could not bring back lock_made: " in out
     )
-    assert "lock_made = threading.Lock()" in out and "nbddp/magic.py" not in out
+    assert "lock_made -> _thread.lock cannot be pickled (TypeError: " in out
+    assert "the ranks that held it have ended" in out and "held them" not in out
+    assert "lock_made = threading.Lock()" in out and "nbddp/notebook/magic.py" not in out
     assert magic_kernel.run("print(kept, 'lock_made' in dir())")[0].strip() == "5 False"
+
+
+def test_a_name_that_cannot_come_back_is_unbound_not_left_stale(magic_kernel):
+    k = magic_kernel
+    k.run("x, holder, fine = 'old', 'old holder', 'old fine'")
+    out, reply = k.run(
+        f"{TWO}\nx = threading.Lock()\nholder = {{'cfg': [1, 2], 'guard': threading.Lock()}}"
+        "\nfine = 'new'"
+    )
+    assert reply["status"] == "ok", out
+    assert "could not bring back x, holder" in out
+    assert "x -> _thread.lock cannot be pickled" in out
+    assert "holder -> ['guard'] -> _thread.lock cannot be pickled" in out, out
+    assert "x, holder are now unbound in the notebook" in out
+    # neither keeps its value from before the cell; what could travel did
+    printed = k.run("print('x' in dir(), 'holder' in dir(), fine)")[0].strip()
+    assert printed == "False False new"
+    out, reply = k.run("x")
+    assert reply["status"] == "error" and reply["ename"] == "NameError"
 
 
 def test_out_names_the_cell_never_assigns_are_warned_about_before_the_run(magic_kernel):

@@ -73,6 +73,20 @@ def test_train_in_one_cell_evaluate_in_the_next_pull_in_a_third(session_kernel):
     assert out.strip() == "Linear True"  # unwrapped from DDP, the very weights rank 0 has
 
 
+def test_an_out_name_that_cannot_come_back_is_unbound_and_stays_on_the_ranks(session_kernel):
+    cell(session_kernel, "import threading\nguard = 'notebook value'")
+    out = cell(
+        session_kernel, "%%ddp --session --out guard --display none\nguard = threading.Lock()"
+    )
+    assert "guard -> _thread.lock cannot be pickled" in out
+    assert (
+        "guard is now unbound in the notebook" in out and "it stays on the session's ranks" in out
+    )
+    assert cell(session_kernel, "print('guard' in dir())").strip() == "False"
+    out = cell(session_kernel, "%%ddp --session --display text\nprint(type(guard).__name__)")
+    assert "lock" in out  # still there, on the ranks
+
+
 def test_a_cell_raising_on_rank_1_only_keeps_the_state(session_kernel):
     cell(session_kernel, "%%ddp --session --display none\nkept = nbddp.rank() + 40")
     out = cell(

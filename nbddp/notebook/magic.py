@@ -147,7 +147,7 @@ class DDPMagics(Magics):
             plan,
             names=inputs,
         )
-        return self._bring_back(outcome, source, filename, "the ranks that held them have ended")
+        return self._bring_back(outcome, source, filename, session=False)
 
     def _run_in_session(self, line: str, cell: str, args: Any) -> Any:
         """``%%ddp --session``: the cell runs in the ranks' own namespace; names it reads come
@@ -190,7 +190,7 @@ class DDPMagics(Magics):
             display=args.display,
             output=args.output,
         )
-        return self._bring_back(outcome, source, filename, "they stay on the session's ranks")
+        return self._bring_back(outcome, source, filename, session=True)
 
     def _prepare_cell(self, line: str, cell: str) -> tuple[str, str, cells.CellNames]:
         assert self.shell is not None
@@ -237,22 +237,44 @@ class DDPMagics(Magics):
         inputs = {n: user_ns[n] for n in sorted(names.reads - held) if n in user_ns}
         return _travelling_inputs(inputs, rebound=set(names.writes))
 
-    def _bring_back(self, outcome: CellOutcome, source: str, filename: str, fate: str) -> Any:
+    def _bring_back(self, outcome: CellOutcome, source: str, filename: str, session: bool) -> Any:
+        """Put the cell's names into the notebook. A name that cannot travel is unbound
+        there: its value from before the cell would be a stale lie."""
         assert self.shell is not None
         user_ns = self.shell.user_ns
         user_ns.update(outcome.values)
         for name in outcome.deleted:
             user_ns.pop(name, None)
+        names = [n for n in outcome.skipped if n.isidentifier()]  # not the last value
+        for name in names:
+            user_ns.pop(name, None)
         if outcome.skipped:
-            skipped = list(outcome.skipped)
-            detail = "; ".join(f"{n}: {why}" for n, why in outcome.skipped.items())
             cells.warn_in_cell(
-                f"%%ddp could not bring back {', '.join(skipped)}: {_it_they(skipped)} cannot "
-                f"be pickled, and {fate} ({detail}).",
+                _not_back_message(outcome.skipped, names, session),
                 filename,
-                cells.binding_line(source, skipped[0]),
+                cells.binding_line(source, names[0]) if names else 1,
             )
         return outcome.shown
+
+
+def _not_back_message(skipped: dict[str, tuple[str, str]], names: list[str], session: bool) -> str:
+    """``%%ddp could not bring back x: x -> _thread.lock cannot be pickled (...)``, and what
+    that means for the notebook's name."""
+    parts = "; ".join(f"{path} cannot be pickled ({reason})" for path, reason in skipped.values())
+    message = f"%%ddp could not bring back {', '.join(skipped)}: {parts}."
+    if names:
+        where = (
+            f"{_it_they(names)} {'stays' if len(names) == 1 else 'stay'} on the session's ranks"
+            if session
+            else f"the ranks that held {_them(names)} have ended"
+        )
+        message += (
+            f" {', '.join(names)} {'is' if len(names) == 1 else 'are'} now unbound in the "
+            f"notebook (not left at {_its_their(names)} value from before the cell); {where}."
+            " Keep such objects inside the cell, or bring back something picklable made "
+            "from them."
+        )
+    return message
 
 
 def _it_they(names: list[str]) -> str:
@@ -261,6 +283,10 @@ def _it_they(names: list[str]) -> str:
 
 def _them(names: list[str]) -> str:
     return "it" if len(names) == 1 else "them"
+
+
+def _its_their(names: list[str]) -> str:
+    return "its" if len(names) == 1 else "their"
 
 
 def _travelling_inputs(inputs: dict[str, Any], rebound: set[str]) -> dict[str, Any]:

@@ -195,8 +195,10 @@ class Session:
             )
         outcome = self.run_cell("", "<pull>", {}, tuple(names), False, frozenset(), display="none")
         if outcome.skipped:
-            detail = "; ".join(f"{n}: {why}" for n, why in outcome.skipped.items())
-            raise NbddpError(f"could not bring back {detail}")
+            detail = "; ".join(
+                f"{path} cannot be pickled ({reason})" for path, reason in outcome.skipped.values()
+            )
+            raise NbddpError(f"could not bring back {detail}.")
         return dict(outcome.values)
 
     def _options(

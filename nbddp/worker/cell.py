@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbddp.wire import payload
+from nbddp.wire.culprit import locate_unpicklable
 from nbddp.worker.context import is_main
 
 _MISSING = object()
@@ -22,7 +23,9 @@ class CellOutcome:
     """What rank 0 sends back into the notebook namespace."""
 
     values: dict[str, Any] = field(default_factory=dict)  # names that travel back
-    skipped: dict[str, str] = field(default_factory=dict)  # names that cannot, and why
+    # names that cannot travel, each with the path to the part that cannot be pickled and why
+    # (``lock_made -> _thread.lock``, ``TypeError: ...``), as SerializationError names them
+    skipped: dict[str, tuple[str, str]] = field(default_factory=dict)
     deleted: list[str] = field(default_factory=list)  # names the cell deleted
     shown: Any = None  # the cell's last expression, displayed like a normal cell's
 
@@ -66,13 +69,19 @@ def run_cell(
             if name in deletes:
                 outcome.deleted.append(name)
             continue
-        failure = payload.check_picklable(namespace[name])
+        value = namespace[name]
+        failure = payload.check_picklable(value)
         if failure is None:
-            outcome.values[name] = namespace[name]
+            outcome.values[name] = value
         else:
-            outcome.skipped[name] = f"{type(failure).__name__}: {failure}"
+            outcome.skipped[name] = locate_unpicklable(
+                value, name, failure, payload.check_picklable
+            )
     if shown is not None and payload.check_picklable(shown) is not None:
-        outcome.skipped["(the cell's last value)"] = "it cannot be pickled"
+        outcome.skipped["(the cell's last value)"] = (
+            "the cell's last value",
+            "it cannot be pickled",
+        )
         shown = None
     outcome.shown = shown
     return outcome
