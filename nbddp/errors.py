@@ -16,7 +16,11 @@ Bad arguments are plain ``ValueError`` raised before any process starts (see ``p
 from __future__ import annotations
 
 import importlib
+import os
+import re
 import signal
+import sys
+import types
 import warnings
 from typing import Any
 
@@ -33,6 +37,34 @@ __all__ = [
 class NbddpError(Exception):
     """Base of every error nbddp raises on purpose."""
 
+    _cause_in_message = False  # the message tells the cause's traceback: do not show it again
+
+    def _render_traceback_(self) -> list[str]:
+        """How IPython shows this error: the notebook's own frames (nbddp's left out), then
+        the message; a rank's traceback in it names notebook frames ``Cell In[n]``, as
+        IPython does. A rank's exception (``__cause__``) is told in the message already,
+        so it is not shown a second time."""
+        shell = _ipython()
+        cause = self.__cause__
+        if cause is not None and (self._cause_in_message or cause.__traceback__ is None):
+            self.__cause__ = None
+        try:
+            tb = self.__traceback__
+            kept = []
+            while tb is not None:
+                if not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+                    kept.append(tb)
+                tb = tb.tb_next
+            shown: types.TracebackType | None = None
+            for entry in reversed(kept):
+                shown = types.TracebackType(shown, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+            lines: list[str] = shell.InteractiveTB.structured_traceback(
+                type(self), self, shown, tb_offset=shell.InteractiveTB.tb_offset
+            )
+        finally:
+            self.__cause__ = cause
+        return [notebook_frames(line, shell) for line in lines]
+
 
 class NbddpWarning(UserWarning):
     """Something the user should know about a launch; shown by Python's default filters."""
@@ -45,6 +77,8 @@ class WorkerError(NbddpError, RuntimeError):
     (a signal, ``os._exit``, a segfault). ``__cause__`` is the remote exception itself when it
     could be rebuilt in the kernel. ``node`` is the address of the rank's machine on a cluster.
     """
+
+    _cause_in_message = True
 
     def __init__(
         self,
@@ -146,6 +180,29 @@ class WorkerError(NbddpError, RuntimeError):
         if original is not None:
             error.__cause__ = original
         return error
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def _ipython() -> Any:
+    """The running IPython shell, without importing IPython where nothing did."""
+    if "IPython" not in sys.modules:
+        return None
+    return sys.modules["IPython"].get_ipython()
+
+
+def notebook_frames(text: str, shell: Any) -> str:
+    """``File "/tmp/ipykernel_7/4242.py", line 6`` as IPython writes it: ``Cell In[5], line 6``
+    (the notebook's cells and ``%%ddp`` cells, whose file names the shell's compiler knows)."""
+    cells = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+
+    def label(match: re.Match[str]) -> str:
+        number = cells.get(match["file"])
+        return match[0] if number is None else f"Cell In[{number}], line {match['line']}"
+
+    return _FRAME.sub(label, text)
 
 
 def _rebuild_worker_error(

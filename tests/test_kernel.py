@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -47,6 +48,31 @@ def test_error_shows_the_cell_source_line(kernel):
     assert reply["status"] == "error" and reply["ename"] == "WorkerError"
     assert "raise ValueError(f'scale {scale} on rank {nbddp.rank()}')" in out
     assert "in broken" in out
+
+
+def test_a_rank_traceback_names_notebook_cells_and_shows_no_nbddp_frame(kernel):
+    """As IPython shows a cell's error: ``Cell In[n], line m`` for the notebook's frames, on
+    the ranks (notebook_launch and %%ddp alike) and in the kernel, and nothing of nbddp."""
+    kernel.run("%load_ext nbddp")
+    _, helper = kernel.run("def helper(x):\n    return 1 / x\n")
+    _, train = kernel.run("def train():\n    a = 1\n    return helper(0)\n")
+    for launch in (
+        "nbddp.notebook_launch(train, num_workers=2, device='cpu', display='none')",
+        "nbddp.notebook_launch(train, num_workers=1, device='cpu', display='none')",
+        "%%ddp -n 2 --device cpu --display none\nx = 1\ntrain()",
+    ):
+        out, reply = kernel.run(launch)
+        out = re.sub(r"\x1b\[[0-9;]*m", "", out)  # IPython's colours
+        assert reply["status"] == "error" and reply["ename"] == "WorkerError", out
+        assert f"Cell In[{train['execution_count']}], line 3, in train" in out, out
+        assert f"Cell In[{helper['execution_count']}], line 2, in helper" in out
+        assert f"Cell In[{reply['execution_count']}], line 1" in out  # the launching cell
+        if launch.startswith("%%ddp"):  # the cell's own frame, by the cell's line number
+            assert f"Cell In[{reply['execution_count']}], line 3, in <module>" in out
+        assert "ipykernel_" not in out and "<%%ddp cell" not in out
+        assert "/nbddp/" not in out and "with_traceback" not in out, out
+        # the rank's exception is told once, in the message, not again as a frameless cause
+        assert out.count("ZeroDivisionError: division by zero") == 2, out  # head, rank
 
 
 def test_interrupt_stops_every_worker_and_the_next_launch_works(kernel):

@@ -14,6 +14,7 @@ the cell runs in the kernel's own namespace, exactly like a normal cell.
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -202,6 +203,9 @@ class DDPMagics(Magics):
         source = "\n" + cell  # line 1 is the %%ddp line: the cell's line numbers hold
         filename = f"<%%ddp cell {next(_counter)}>"
         cells.register_source(filename, f"%%ddp {line}\n" + cell)
+        number = _cell_number(self.shell)
+        if number is not None:  # IPython then names its frames ``Cell In[n]``, as a cell's
+            self.shell.compile._filename_map[filename] = number
         return source, filename, cells.analyze(source)
 
     @staticmethod
@@ -275,6 +279,19 @@ def _not_back_message(skipped: dict[str, tuple[str, str]], names: list[str], ses
             "from them."
         )
     return message
+
+
+def _cell_number(shell: Any) -> int | None:
+    """The number of the cell running this magic (``In[n]``): that of the innermost calling
+    frame whose file IPython's compiler made for a cell."""
+    cells = getattr(shell.compile, "_filename_map", {})
+    frame = sys._getframe(1)
+    while frame is not None:
+        number = cells.get(frame.f_code.co_filename)
+        if number is not None:
+            return int(number)
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def _it_they(names: list[str]) -> str:
