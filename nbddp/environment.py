@@ -4,6 +4,12 @@ user's ``env=``.
 
 The variables nbddp owns cannot be set through ``env=``: :func:`check_user_env` refuses them
 and names the option that sets them instead.
+
+A kernel inside a Slurm job, or one started by torchrun or mpirun, carries that launcher's
+variables (``SLURM_*``, ``PMI_*``, ``OMPI_*``, ``RANK``...). No rank inherits them
+(:func:`without_launchers`): a rank that did would believe that launcher started it (Lightning
+picks its Slurm environment, mpi4py dials the job's PMI server, torch reuses an agent's store)
+instead of seeing exactly the torchrun contract. ``env=`` may hand one on deliberately.
 """
 
 from __future__ import annotations
@@ -35,6 +41,59 @@ _OWNED = {
     RUN_ID_VARIABLE: "nbddp itself",
     WORKER_VARIABLE: "nbddp itself",
 }
+
+
+# Set by a launcher or a scheduler for the processes *it* starts, and read by libraries to
+# detect such a launch (Lightning, Accelerate, mpi4py, torch.distributed.elastic, submitit).
+LAUNCHER_PREFIXES = (
+    "SLURM_",  # Slurm: the job, the step and this task's place in it
+    "SLURMD_",
+    "SRUN_",
+    "SBATCH_",
+    "SALLOC_",
+    "PMI_",  # the process-management interface of Slurm, MPICH, Intel MPI
+    "PMIX_",
+    "OMPI_",  # Open MPI (OMPI_COMM_WORLD_RANK ...)
+    "MPI_",  # Intel MPI (MPI_LOCALRANKID ...)
+    "MV2_",  # MVAPICH2
+    "HYDRA_",  # MPICH's launcher
+    "PALS_",  # Cray PALS
+    "LSB_",  # LSF
+    "JSM_NAMESPACE_",  # LSF's jsrun
+    "PBS_",  # PBS / Torque
+    "TORCHELASTIC_",  # torchrun's agent (nbddp sets its own)
+    "HOROVOD_",  # horovodrun
+    "SUBMITIT_",
+)
+LAUNCHER_NAMES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "NODE_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "ROLE_NAME",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LOCAL_SIZE",  # DeepSpeed's and Horovod's launchers
+        "CROSS_RANK",
+        "CROSS_SIZE",
+    }
+)
+
+
+def is_launcher_variable(name: str) -> bool:
+    return name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES)
+
+
+def without_launchers(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less every launcher's and scheduler's variables (submitit's ``clean_env``,
+    widened to MPI, LSF, PBS and torchrun)."""
+    return {name: value for name, value in environ.items() if not is_launcher_variable(name)}
 
 
 class Place(NamedTuple):
@@ -108,10 +167,11 @@ def worker_env(
     master_addr: str = "127.0.0.1",
     interface: str | None = None,
 ) -> dict[str, str]:
-    """This process's environment plus what torchrun would set, plus the user's ``env=``.
-    ``interface``: the network interface gloo and NCCL use, unless the user set theirs
-    (without it they pick the hostname's address, which may be the wrong one or none)."""
-    env = dict(os.environ)
+    """This process's environment, less any launcher's variables, plus what torchrun would
+    set, plus the user's ``env=``. ``interface``: the network interface gloo and NCCL use,
+    unless the user set theirs (without it they pick the hostname's address, which may be the
+    wrong one or none)."""
+    env = without_launchers(os.environ)
     env.update(torchrun_env(place, master_addr, port, run_id))
     env[RUN_ID_VARIABLE] = run_id
     env[WORKER_VARIABLE] = str(place.rank)  # importing nbddp in a rank starts no helper

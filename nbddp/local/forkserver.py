@@ -38,7 +38,7 @@ import threading
 import time
 
 from nbddp import interrupts
-from nbddp.environment import WORKER_VARIABLE
+from nbddp.environment import WORKER_VARIABLE, without_launchers
 from nbddp.local.processes import ColdStarter, Starter, WorkerProcess
 from nbddp.local.processes import signal_group as _signal_group
 from nbddp.wire.messages import Exited, Ready, Release, Spawn, Spawned, SpawnFailed
@@ -94,7 +94,7 @@ class Helper:
         self._ranks: dict[int, _WarmProcess] = {}
         self.ready = threading.Event()
         self.dead = threading.Event()
-        env = {**os.environ, WORKER_VARIABLE: "helper", "PYTHONUNBUFFERED": "1"}
+        env = {**without_launchers(os.environ), WORKER_VARIABLE: "helper", "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             [
                 sys.executable,

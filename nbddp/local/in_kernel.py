@@ -25,7 +25,13 @@ from typing import Any, Literal
 
 from nbddp import interrupts
 from nbddp.backend import Finish, Outcome, RunEvents
-from nbddp.environment import RUN_ID_VARIABLE, free_port, single_node, torchrun_env
+from nbddp.environment import (
+    RUN_ID_VARIABLE,
+    free_port,
+    is_launcher_variable,
+    single_node,
+    torchrun_env,
+)
 from nbddp.errors import LaunchTimeout, WorkerError
 from nbddp.plan import LaunchPlan
 from nbddp.wire import payload
@@ -53,12 +59,16 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
         RUN_ID_VARIABLE: run_id,
         **plan.env,
     }
-    saved = {name: os.environ.get(name) for name in env}
+    # A launcher's variables in the kernel (a Slurm job's, torchrun's) are hidden meanwhile.
+    hidden = [n for n in os.environ if is_launcher_variable(n) and n not in env]
+    saved = {name: os.environ.get(name) for name in [*env, *hidden]}
     made_group = False
     previous_cuda = None
     excepthook = sys.excepthook
     try:
         with interrupts.deferred():  # the world is built whole; the finally takes it down
+            for name in hidden:
+                del os.environ[name]
             os.environ.update(env)
             if device.type == "cuda":
                 previous_cuda = torch.cuda.current_device()
