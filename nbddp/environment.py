@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import socket
 import struct
 from collections.abc import Mapping
@@ -24,6 +25,12 @@ from typing import NamedTuple
 _SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
 WORKER_VARIABLE = "NBDDP_WORKER"  # set in every rank and in the helper: no helper of its own
 RUN_ID_VARIABLE = "NBDDP_RUN_ID"  # every process of a run inherits it: how strays are found
+
+
+def new_run_id() -> str:
+    """A run's id: its kernel's pid (so a sweep can tell a dead kernel's) and a random part."""
+    return f"nbddp-{os.getpid()}-{secrets.token_hex(4)}"
+
 
 # What sets each variable nbddp owns, for the error that refuses it in env=.
 _OWNED = {

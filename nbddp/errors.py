@@ -276,6 +276,14 @@ def import_class(qualified: str) -> type | None:
     return found if isinstance(found, type) else None
 
 
+def our_bug(where: str, exc: BaseException) -> NbddpError:
+    """A bug of nbddp's own (in a supervisor's or a session's loop), as the error the user sees:
+    it names the loop and keeps the original, with its traceback, as the cause."""
+    error = NbddpError(f"nbddp's {where} failed: {exc!r} (see the cause above)")
+    error.__cause__ = exc
+    return error
+
+
 def warn_user(message: str, category: type[Warning] = NbddpWarning) -> None:
     """Warn, pointing at the first frame outside nbddp: the user's call (or cell)."""
     import os

@@ -16,8 +16,8 @@ from typing import Any, Literal, get_args
 
 from nbddp.clusters.ray.cluster import place_on_cluster
 from nbddp.clusters.ray.cluster import resolve as resolve_cluster
-from nbddp.environment import check_user_env
-from nbddp.wire.messages import Output
+from nbddp.environment import check_user_env, notebook_logging
+from nbddp.wire.messages import JobSpec, Output
 
 DeviceOption = Literal["auto", "cuda", "cpu"]
 Device = Literal["cuda", "cpu"]
@@ -262,3 +262,30 @@ def _check_env(env: Mapping[str, str] | None, device: Device) -> dict[str, str]:
             )
     check_user_env(env, device)
     return dict(env)
+
+
+def job_spec(
+    plan: LaunchPlan,
+    run_id: str,
+    device_index: tuple[int, ...],
+    session: bool,
+    sys_path: tuple[str, ...] = (),
+    cwd: str = "",
+) -> JobSpec:
+    """What every rank of ``plan`` needs before it connects, wherever it runs. The channel's
+    address and key are filled in by the group that listens; a cluster node fills in its own
+    ``sys_path`` and ``cwd``."""
+    return JobSpec(
+        address="",
+        authkey="",
+        run_id=run_id,
+        sys_path=sys_path,
+        cwd=cwd,
+        device=plan.device,
+        device_index=device_index,
+        backend=plan.backend,
+        return_all=plan.return_all,
+        output=plan.output,
+        logging=notebook_logging(),
+        session=session,
+    )

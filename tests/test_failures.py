@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -312,10 +311,13 @@ def test_a_silent_client_on_the_runs_socket_does_not_hold_up_the_launch():
         while not stop.is_set():
             pattern = os.path.join(tempfile.gettempdir(), f"nbddp-{os.getpid()}-*", "channel.sock")
             for path in glob.glob(pattern):
-                with contextlib.suppress(OSError):
-                    sock = socket.socket(socket.AF_UNIX)
+                sock = socket.socket(socket.AF_UNIX)
+                try:
                     sock.connect(path)
-                    silent.append(sock)
+                except OSError:  # the run ended meanwhile: this socket is ours to close
+                    sock.close()
+                    continue
+                silent.append(sock)
             time.sleep(0.001)
 
     lurker = threading.Thread(target=lurk, daemon=True)

@@ -184,3 +184,18 @@ def test_rank0_output_arrives_while_the_run_is_going(tmp_path, capsys):
 def test_output_none_hides_everything(capfd):
     assert nbddp.notebook_launch(lambda: print("noise") or 5, **TWO_CPU, output="none") == 5
     assert "noise" not in capfd.readouterr().out
+
+
+def test_a_bug_in_the_supervisor_ends_the_run_with_its_traceback(monkeypatch):
+    """Our own bug must not hang or hide: the run fails with an NbddpError whose cause is the
+    original exception, traceback included, and the ranks are torn down."""
+    from nbddp.rules.referee import Referee
+
+    def broken(self, rank, message, buffers):
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(Referee, "_message", broken)
+    with pytest.raises(nbddp.NbddpError, match="supervisor failed") as info:
+        nbddp.notebook_launch(abs, (-1,), **TWO_CPU)
+    cause = info.value.__cause__
+    assert isinstance(cause, RuntimeError) and cause.__traceback__ is not None

@@ -324,3 +324,22 @@ def test_a_stuck_session_on_the_cluster_restarts_with_fresh_ranks(cluster):
         assert session.alive
         assert not first & {row["pid"] for row in session.status()}
         assert session.run(count_on_rank, return_all=True, display="none") == [1, 1]
+
+
+def test_a_node_lost_during_a_session_task_is_named(cluster):
+    """The session's judge hears a lost node as a launch's does (``NodeLost``), so the error
+    names the node; before, a session said only that the rank died."""
+    simulated, _ = cluster
+    second = next(iter(simulated.worker_nodes))  # an earlier test may have replaced it
+    session = nbddp.Session(cluster="ray", device="cpu")
+    try:
+        run = session.run(sleeps, (60,), display="none", block=False)
+        time.sleep(2.0)
+        simulated.remove_node(second)
+        assert run.wait(timeout=60)
+        with pytest.raises(WorkerError) as info:
+            run.result()
+        assert info.value.node == NODE_IP and "lost with its node" in str(info.value)
+    finally:
+        session.close()
+        simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)  # two nodes again

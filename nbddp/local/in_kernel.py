@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import secrets
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ from nbddp.environment import (
     RUN_ID_VARIABLE,
     free_port,
     is_launcher_variable,
+    new_run_id,
     single_node,
     torchrun_env,
 )
@@ -53,7 +53,7 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
     import torch.distributed as dist
 
     device = torch.device("cuda", plan.gpus[0]) if plan.device == "cuda" else torch.device("cpu")
-    run_id = f"nbddp-{os.getpid()}-{secrets.token_hex(4)}"
+    run_id = new_run_id()
     env = {
         **torchrun_env(single_node(0, 1), "127.0.0.1", free_port(), run_id),
         RUN_ID_VARIABLE: run_id,

@@ -10,7 +10,6 @@ honoured within milliseconds.
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 import threading
 
@@ -20,18 +19,17 @@ from nbddp.environment import (
     device_indices,
     free_port,
     interface_of,
-    notebook_logging,
+    new_run_id,
     single_node,
     worker_env,
 )
-from nbddp.errors import NbddpError, warn_user
+from nbddp.errors import our_bug, warn_user
 from nbddp.local.forkserver import default_starter
 from nbddp.local.group import RankGroup
 from nbddp.local.processes import Starter
-from nbddp.plan import LaunchPlan
+from nbddp.plan import LaunchPlan, job_spec
 from nbddp.rules.referee import Referee
 from nbddp.wire.call import Call
-from nbddp.wire.messages import JobSpec
 
 
 def local_group(
@@ -45,7 +43,7 @@ def local_group(
     fresh rendezvous port, the loopback interface) and their job spec."""
     starter = starter or default_starter()
     starter.warm_up()
-    run_id = f"nbddp-{os.getpid()}-{secrets.token_hex(4)}"
+    run_id = new_run_id()
     port = free_port()
     loopback = interface_of("127.0.0.1")
     envs = {
@@ -60,19 +58,13 @@ def local_group(
         )
         for rank in range(plan.world_size)
     }
-    spec = JobSpec(
-        address="",
-        authkey="",
-        run_id=run_id,
+    spec = job_spec(
+        plan,
+        run_id,
+        device_indices(plan.gpus),
+        session,
         sys_path=tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path),
         cwd=os.getcwd(),
-        device=plan.device,
-        device_index=device_indices(plan.gpus),
-        backend=plan.backend,
-        return_all=plan.return_all,
-        output=plan.output,
-        logging=notebook_logging(),
-        session=session,
     )
     return RankGroup(range(plan.world_size), envs, spec, call, starter, plan.output, target)
 
@@ -123,9 +115,7 @@ class LocalWorkers:
         try:
             result = self._group.run(self._referee) or Outcome("stopped")
         except BaseException as exc:  # a bug of ours must still end the run cleanly
-            error = NbddpError(f"nbddp's supervisor failed: {exc!r} (see the cause below)")
-            error.__cause__ = exc
-            result = Outcome("failed", error=error)
+            result = Outcome("failed", error=our_bug("supervisor", exc))
         finally:
             self._group.teardown()
             finish(result)

@@ -19,7 +19,7 @@ gloo's own wording, as the documented last resort (:data:`PEER_LOST_WORDS`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from nbddp.backend import Outcome
@@ -154,7 +154,7 @@ class RunTracker:
         if not reported or code == 0:
             self.failures.append(died(rank, code, stderr_tail, time.time(), node))
 
-    def node_lost(self, ranks: range, node: str, reason: str) -> None:
+    def node_lost(self, ranks: Iterable[int], node: str, reason: str) -> None:
         """A node's helper died (the node was lost): each of its ranks failed with it."""
         when = time.time()
         for rank in ranks:

@@ -12,16 +12,16 @@ user who sees the error never waits on a leftover process.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from nbddp.backend import Outcome, RunEvents, Writable
-from nbddp.errors import NbddpError, describe_exit
+from nbddp.errors import NbddpError, describe_exit, our_bug
 from nbddp.local.processes import Starter
 from nbddp.local.workers import local_group
 from nbddp.plan import LaunchPlan
+from nbddp.rules.judging import write_out
 from nbddp.rules.task_referee import TaskReferee, TaskVerdict
 from nbddp.rules.tracker import RunTracker
 from nbddp.wire.call import Call
@@ -32,6 +32,7 @@ from nbddp.wire.messages import (
     Interrupt,
     Joined,
     Names,
+    NodeLost,
     Output,
     Printed,
     Probe,
@@ -81,7 +82,7 @@ class _Dispatcher:
                     ranks.probed.set()
                 return
             case Printed(text=text):  # a node's ranks' output (cluster sessions)
-                _write(self.task.output if self.task is not None else None, text)
+                write_out(self.task.output if self.task is not None else None, text)
                 return
         if not self.ready.is_set():  # failing before every rank joined: the start failed
             match event:
@@ -95,6 +96,8 @@ class _Dispatcher:
             self.task.event(event)
         elif isinstance(event, Ended):
             self.died_idle = event
+        elif isinstance(event, NodeLost):  # between tasks: the session's ranks are broken
+            self.died_idle = Ended(event.ranks[0], None, f"lost with its node {event.node}")
 
     def deadline(self) -> float | None:
         return self.task.deadline() if self.task is not None else None
@@ -115,14 +118,6 @@ class _Dispatcher:
         if self.died_idle is not None:
             return "died"
         return "closed" if self.closing else None
-
-
-def _write(target: Writable | None, text: str) -> None:
-    try:
-        (target or sys.stdout).write(text)
-        (target or sys.stdout).flush()
-    except (OSError, ValueError):
-        pass
 
 
 class RanksIO(Protocol):
@@ -204,6 +199,7 @@ class SessionRanks:
         self.statuses: dict[int, RankStatus] = {}
         self.probed = threading.Event()
         self.ended: str | None = None  # why the ranks are gone, once they are
+        self.failure: NbddpError | None = None  # our own bug that ended them, if one did
         self.io: RanksIO = io or ranks_io(plan)
         self._on_cluster = plan.cluster is not None
         self._per_node = plan.workers_per_node
@@ -230,7 +226,9 @@ class SessionRanks:
             self.close()
             raise failures.root_cause().error.with_traceback(None)
         if self.ended is not None:
-            raise NbddpError(f"the session's ranks ended while starting ({self.ended}).")
+            raise NbddpError(
+                f"the session's ranks ended while starting ({self.ended})."
+            ) from self.failure
 
     @property
     def alive(self) -> bool:
@@ -259,7 +257,8 @@ class SessionRanks:
         try:
             why = self.io.serve(dispatcher) or "closed"
         except BaseException as exc:  # a bug of ours must still end the ranks cleanly
-            why = f"nbddp's session loop failed: {exc!r}"
+            self.failure = our_bug("session loop", exc)  # kept with its traceback
+            why = str(self.failure)
         finally:
             self.io.teardown()
         if dispatcher.died_idle is not None:

@@ -251,7 +251,13 @@ class Session:
         ranks = self._holder[0]
         if ranks is not None and ranks.alive:
             return ranks
-        why = ranks.ended if ranks is not None else "they never started"
+        why = (ranks.ended if ranks is not None else None) or "they never started"
+        if ranks is not None and ranks.failure is not None:  # our bug: show where it was
+            import traceback
+
+            cause = ranks.failure.__cause__
+            assert cause is not None
+            why += "\n" + "".join(traceback.format_exception(cause)).rstrip()
         warn_user(
             f"the session's ranks had ended ({why}): starting fresh ranks; the state "
             "they held is lost."

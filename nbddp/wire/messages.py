@@ -151,7 +151,15 @@ class Printed(NamedTuple):
     text: str
 
 
-RankEvent = Received | Ended | Started | Printed
+class NodeLost(NamedTuple):
+    """A cluster node's helper was lost: each of ``ranks`` ended with it."""
+
+    ranks: tuple[int, ...]
+    node: str
+    reason: str
+
+
+RankEvent = Received | Ended | Started | Printed | NodeLost
 
 
 class SharedLayout(NamedTuple):

@@ -175,10 +175,8 @@ class NodeHelper:
                 gpus=gpus,
                 user_env=user_env,
                 master_addr=master[0],
+                interface=interface,
             )
-            if interface is not None:
-                env.setdefault("GLOO_SOCKET_IFNAME", interface)
-                env.setdefault("NCCL_SOCKET_IFNAME", interface)
             envs[place.rank] = env
         forwarder = _Forwarder()
         # the kernel's paths mean nothing here: the node's own (Ray's working_dir included)

@@ -21,21 +21,19 @@ Per launch:
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
 import threading
 import time
 from typing import Any
 
 from nbddp.backend import Finish, Outcome, RunEvents
 from nbddp.clusters.ray.cluster import RayCluster
-from nbddp.environment import Place, notebook_logging
-from nbddp.errors import NbddpError, warn_user
+from nbddp.environment import Place, new_run_id
+from nbddp.errors import NbddpError, our_bug, warn_user
 from nbddp.local.processes import TERM_GRACE
-from nbddp.plan import LaunchPlan
+from nbddp.plan import LaunchPlan, job_spec
 from nbddp.rules.referee import Referee
 from nbddp.wire.call import Call
-from nbddp.wire.messages import Ended, JobSpec
+from nbddp.wire.messages import NodeLost
 
 RESERVE_WAIT = 60.0  # seconds for the cluster to reserve the ranks' resources
 _POLL = 0.05  # seconds a node's poll waits for news
@@ -51,7 +49,7 @@ class RayWorkers:
         cluster = plan.cluster
         assert isinstance(cluster, RayCluster)
         self._cluster = cluster
-        self._run_id = f"nbddp-{os.getpid()}-{secrets.token_hex(4)}"
+        self._run_id = new_run_id()
         self._placement: Any = None
         self._node_ids: list[str] = []
         self._helpers: list[Any] = []
@@ -103,20 +101,8 @@ class RayWorkers:
         self._check_nodes(ray, call, infos)
         port = ray.get(self._helpers[0].free_port.remote())
         per_node = plan.workers_per_node
-        spec = JobSpec(
-            address="",
-            authkey="",
-            run_id=self._run_id,
-            sys_path=(),
-            cwd="",
-            device=plan.device,
-            device_index=tuple(r % per_node for r in range(plan.world_size)),
-            backend=plan.backend,
-            return_all=plan.return_all,
-            output=plan.output,
-            logging=notebook_logging(),
-            session=self._session,
-        )
+        indices = tuple(r % per_node for r in range(plan.world_size))
+        spec = job_spec(plan, self._run_id, indices, self._session)  # paths: the node's own
         import numpy as np
 
         data = ray.put([np.frombuffer(b, dtype=np.uint8) for b in call.buffers])
@@ -245,9 +231,7 @@ class RayWorkers:
         try:
             result = self._watch(referee, on_stop=referee.stop)
         except BaseException as exc:  # a bug of ours must still end the run cleanly
-            error = NbddpError(f"nbddp's cluster supervisor failed: {exc!r} (see the cause)")
-            error.__cause__ = exc
-            result = Outcome("failed", error=error)
+            result = Outcome("failed", error=our_bug("cluster supervisor", exc))
         finally:
             self._teardown()
             finish(result)
@@ -289,14 +273,8 @@ class RayWorkers:
         address = self.nodes[node_rank]
         self._cluster.forget(self._node_ids[node_rank])
         first = node_rank * per_node
-        if isinstance(judge, Referee):
-            judge.tracker.node_lost(
-                range(first, first + per_node),
-                address,
-                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
-            )
-        for rank in range(first, first + per_node):
-            judge.event(Ended(rank, None, ""))
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        judge.event(NodeLost(tuple(range(first, first + per_node)), address, reason))
 
     # -- the end ---------------------------------------------------------------------------
 
