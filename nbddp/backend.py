@@ -40,6 +40,7 @@ class Outcome(NamedTuple):
     status: EndStatus
     value: Any = None
     error: BaseException | None = None
+    warning: str | None = None  # a run that succeeded, but not as one DDP job (rules/sync.py)
 
 
 class RunEvents(Protocol):

@@ -298,6 +298,26 @@ def warn_user(message: str, category: type[Warning] = NbddpWarning) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
+def warn_always(message: str, category: type[Warning] = NbddpWarning) -> None:
+    """Warn at the user's call (or cell) every time, even from the same line as before: a
+    run's verdict is news each run (``warnings.warn`` shows a line's warning once)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back
+    warnings.warn_explicit(
+        message,
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=str(frame.f_globals.get("__name__", "")),
+        module_globals=frame.f_globals,
+    )
+
+
 def describe_exit(exitcode: int | None) -> str:
     """Say how a process ended, naming the signal: 'was killed by signal 9 (SIGKILL)'."""
     if exitcode is None:

@@ -13,7 +13,7 @@ from nbddp import interrupts
 from nbddp.backend import Backend, Outcome, Status
 from nbddp.display import LiveDisplay
 from nbddp.display.state import RunState
-from nbddp.errors import RunStopped
+from nbddp.errors import RunStopped, warn_always
 from nbddp.plan import LaunchPlan
 
 _last: Run | None = None
@@ -49,6 +49,7 @@ class Run:
         self._outcome: Outcome | None = None
         self._done = threading.Event()
         self._finish_lock = threading.Lock()
+        self._warned = False
 
     def start(self) -> None:
         """Show the live view and start the backend; raises if the ranks cannot start."""
@@ -106,7 +107,16 @@ class Run:
             raise self._outcome.error.with_traceback(None)  # fresh each time: no frames pile up
         if self._outcome.status == "stopped":
             raise RunStopped()
+        if self._outcome.warning is not None and not self._warned:
+            self._warned = True  # once per run, wherever its result is asked for
+            warn_always(self._outcome.warning)
         return self._outcome.value
+
+    @property
+    def warning(self) -> str | None:
+        """Why a run that succeeded was not one DDP job (its ranks' models differ, or they
+        never communicated), or None; also shown by the panel and as an ``NbddpWarning``."""
+        return self._outcome.warning if self._outcome is not None else None
 
     def stop(self, timeout: float | None = 30.0) -> bool:
         """Terminate every rank; the status becomes "stopped". Returns True once they are
@@ -121,7 +131,7 @@ class Run:
             if self._outcome is not None:
                 return
             try:
-                self._state.finish(outcome.status, outcome.error)
+                self._state.finish(outcome.status, outcome.error, outcome.warning)
                 if self._display is not None:  # the final panel is drawn before anyone is told
                     self._display.close()
             finally:

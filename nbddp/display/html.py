@@ -40,6 +40,11 @@ def header_html(s: RunSnapshot) -> str:
             f'<div style="color:{_COLORS["failed"]};margin-top:2px">'
             f"{html.escape(s.error_line)}</div>"
         )
+    if s.warning:
+        line += (
+            f'<div class="nbddp-warning" style="color:{_COLORS["stopped"]};margin-top:2px">'
+            f"⚠ {html.escape(s.warning)}</div>"
+        )
     return f'<div style="{_FONT}">{line}</div>'
 
 

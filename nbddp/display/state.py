@@ -54,6 +54,7 @@ class RunSnapshot(NamedTuple):
     output: str  # the last lines of rank 0's output
     output_dropped: int
     nodes: int = 1
+    warning: str = ""  # the run succeeded, but its ranks did not train one model together
 
     @property
     def where(self) -> str:
@@ -80,6 +81,7 @@ class RunState:
         self.started_at = time.monotonic()
         self.ended: float | None = None
         self.error_line = ""
+        self.warning = ""
         self._bars: dict[int, ShownBar] = {}
         self.history = History()
         self.metrics = MetricsAggregator(world_size, self.history)
@@ -146,13 +148,16 @@ class RunState:
             self._output.feed(text)
             self._bump()
 
-    def finish(self, status: Status, error: BaseException | None) -> None:
+    def finish(
+        self, status: Status, error: BaseException | None, warning: str | None = None
+    ) -> None:
         with self.changed:
             self.metrics.finish()
             self.status = status
             self.ended = time.monotonic()
             if error is not None:
                 self.error_line = first_line(error)
+            self.warning = warning or ""
             self._bump()
 
     # -- what views read -------------------------------------------------------------------
@@ -177,6 +182,7 @@ class RunState:
                 output=self._output.text(),
                 output_dropped=self._output.dropped,
                 nodes=self.nodes,
+                warning=self.warning,
             )
 
     def history_rows(self) -> list[dict[str, Any]]:

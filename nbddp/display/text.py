@@ -68,6 +68,8 @@ def summary_text(s: RunSnapshot) -> str:
         summary += f" | {metrics}"
     if s.error_line:
         summary += f"\n  {s.error_line}"
+    if s.warning:
+        summary += f"\n  warning: {s.warning}"
     for note in s.notes:
         summary += f"\n  note: {note}"
     return summary

@@ -23,7 +23,7 @@ from typing import Any
 from nbddp.backend import Outcome, RunEvents
 from nbddp.errors import LaunchTimeout
 from nbddp.rules.judging import SETTLE, Clock, Judging
-from nbddp.wire.messages import AllJoined, Failed, Joined, Result, Unsendable
+from nbddp.wire.messages import AllJoined, Failed, Joined, Result, Trained, Unsendable
 
 
 class Referee(Judging):
@@ -54,6 +54,8 @@ class Referee(Judging):
                 self._joined.add(rank)
                 if len(self._joined) == self.world_size:
                     self._broadcast(AllJoined())
+            case Trained(check=check):
+                self.tracker.trained(rank, check)
             case Result(stream=stream, early_exit=early):
                 self.tracker.result(rank, stream, buffers, early)
             case Failed(report=report):

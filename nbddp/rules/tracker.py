@@ -24,8 +24,9 @@ from typing import Any, Literal, NamedTuple
 
 from nbddp.backend import Outcome
 from nbddp.errors import SerializationError, WorkerError, import_class
+from nbddp.rules.sync import judge
 from nbddp.wire import payload
-from nbddp.wire.messages import ErrorReport
+from nbddp.wire.messages import ErrorReport, SyncCheck
 
 Kind = Literal["raised", "died", "lost_peer", "ended_early"]
 
@@ -129,10 +130,15 @@ class RunTracker:
         self.exited: set[int] = set()
         self._results: dict[int, tuple[bytes | None, list[Any]]] = {}
         self._finished_at: dict[int, tuple[float, bool]] = {}
+        self._checks: dict[int, SyncCheck] = {}
 
     def result(self, rank: int, stream: bytes | None, buffers: list[Any], early: bool) -> None:
         self._results[rank] = (stream, buffers)
         self._finished_at[rank] = (time.time(), early)
+
+    def trained(self, rank: int, check: SyncCheck) -> None:
+        """What the rank knows of its DDP models and collectives (sent before its result)."""
+        self._checks[rank] = check
 
     @property
     def all_returned(self) -> bool:
@@ -201,7 +207,7 @@ class RunTracker:
             return Outcome("failed", error=error)
         finally:
             self._results.clear()
-        return Outcome("succeeded", value)
+        return Outcome("succeeded", value, warning=judge(self.world_size, self._checks))
 
     def _load(self, rank: int) -> Any:
         stream, buffers = self._results[rank]

@@ -12,6 +12,9 @@ Worker -> kernel, in this order on each rank's connection:
                                       the main process), each with the library's step; taken
                                       as they are, not averaged
     Bars(rank, bars)                  a snapshot of rank 0's progress bars
+    Trained(rank, check)              just before Result: what the rank knows of its DDP
+                                      models and collectives (``SyncCheck``), for the
+                                      kernel's "did DDP happen?" verdict
     Result(rank, stream, early_exit)  fn returned (its value pickled for rank 0 or
                                       ``return_all``; the tensors' bytes follow as the frame's
                                       buffers); ``early_exit``: it called sys.exit(0)
@@ -103,6 +106,29 @@ class MainRows(NamedTuple):
 class Bars(NamedTuple):
     rank: int
     bars: list[BarSnapshot]
+
+
+class ModelPrint(NamedTuple):
+    """A DDP model's parameters at the end of a run, in a few numbers to compare across ranks."""
+
+    name: str  # the wrapped module's class
+    tensors: int  # how many parameters were fingerprinted (sharded ones are not)
+    total: float  # the sum of their elements
+    magnitude: float  # the sum of their absolute values
+    squares: float  # the sum of their squares
+
+
+class SyncCheck(NamedTuple):
+    """What one rank knows of whether it trained together with the others."""
+
+    models: tuple[ModelPrint, ...]  # every DDP model it built, in order
+    collectives: int  # how many collectives its process groups ran
+    stepped: bool  # an optimizer stepped
+
+
+class Trained(NamedTuple):
+    rank: int
+    check: SyncCheck
 
 
 class Result(NamedTuple):
@@ -255,6 +281,7 @@ Message = (
     | Rows
     | MainRows
     | Bars
+    | Trained
     | Result
     | Failed
     | Unsendable

@@ -26,9 +26,10 @@ from nbddp.wire.messages import (
     Job,
     JobSpec,
     Joined,
+    Trained,
 )
 from nbddp.wire.transport import Connection
-from nbddp.worker import integrations, live
+from nbddp.worker import integrations, live, sync_check
 from nbddp.worker.reaping import become_subreaper, end_descendants
 from nbddp.worker.report import ChannelSink, error_report
 from nbddp.worker.setup import (
@@ -83,7 +84,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
     if not isinstance(job, Job):
         return 1
     threading.Thread(target=_listen, args=(conn, joined), daemon=True).start()
-    early_exit = False
+    early_exit = checked = False
     try:
         payload.install_sources(job.sources)
         context = prepare(spec, rank, conn)
@@ -95,6 +96,9 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
             buffer = live.LiveBuffer(ChannelSink(conn, rank))
             live.install(buffer)
             integrations.install(spec.output)
+            checked = context.world_size > 1  # "did DDP happen?" means something
+            if checked:
+                sync_check.install()
             try:
                 value = fn(*args, **kwargs)
             finally:
@@ -109,6 +113,9 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
         return 1
     finally:
         flush_output()
+    check = sync_check.report() if checked else None
+    if check is not None:
+        conn.send(Trained(rank, check))
     # The process group is not destroyed: the rank exits right after (``os._exit``) and the OS
     # closes its connections, while gloo's ``destroy_process_group`` alone costs ~20 ms.
     return 0 if send_result(conn, rank, value, early_exit, rank == 0 or spec.return_all) else 1

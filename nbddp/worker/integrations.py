@@ -38,7 +38,7 @@ from types import ModuleType
 from typing import Any
 
 from nbddp.errors import NbddpWarning
-from nbddp.worker import live
+from nbddp.worker import launchers, live
 from nbddp.worker.context import rank
 
 Patch = Callable[[ModuleType], None]
@@ -108,8 +108,10 @@ def set_output(output: str) -> None:
 
 
 def install(output: str) -> None:
-    """Hook the libraries into this rank's panel (``output``: whose output is shown)."""
+    """Hook the libraries into this rank's panel (``output``: whose output is shown), and
+    guard the launchers that must not start inside a rank (``launchers``)."""
     set_output(output)
+    launchers.install()
     patches: dict[str, Patch] = {
         "tqdm.std": _patch_tqdm,
         "tqdm.notebook": _use_plain_tqdm,
@@ -117,6 +119,7 @@ def install(output: str) -> None:
         "lightning.pytorch.trainer.trainer": _patch_lightning,
         "pytorch_lightning.trainer.trainer": _patch_lightning,
         "accelerate.accelerator": _patch_accelerate,
+        "torch.distributed.launcher.api": launchers.guard_elastic,
     }
     for name, patch in patches.items():
         if name in sys.modules:  # imported already (a library the job itself imported)
