@@ -94,6 +94,7 @@ def test_mp_spawn_outside_any_process_group_still_works():
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
+        dist.barrier()  # both ranks are connected before either tears its group down
         dist.destroy_process_group()  # the rank's group is gone: a launcher competes with none
         mp.start_processes(_work, nprocs=1, start_method="fork")
         return True
