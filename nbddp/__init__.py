@@ -1,7 +1,7 @@
 """nbddp: run PyTorch DistributedDataParallel training from a Jupyter notebook.
 
-Kernel side: :func:`notebook_launch`, :class:`Run`, :func:`last_run`, :class:`Session`,
-:class:`RayCluster`, :func:`set_cluster`.
+Kernel side: :func:`notebook_launch`, :func:`spawn` (``mp.spawn``'s shape), :class:`Run`,
+:func:`last_run`, :class:`Session`, :class:`RayCluster`, :func:`set_cluster`.
 Worker side (inside the launched function; each also works outside a launch as rank 0 of 1):
 :func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
 :func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`,
@@ -51,6 +51,7 @@ __all__ = [
     "progress",
     "rank",
     "set_cluster",
+    "spawn",
     "unwrap",
     "world_size",
 ]
@@ -59,12 +60,13 @@ __version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from nbddp.clusters.ray.cluster import RayCluster, set_cluster
-    from nbddp.launch import notebook_launch
+    from nbddp.launch import notebook_launch, spawn
     from nbddp.run import Run, last_run
     from nbddp.sessions.session import Session
 
 _KERNEL_SIDE = {
     "notebook_launch": "launch",
+    "spawn": "launch",
     "Run": "run",
     "last_run": "run",
     "RayCluster": "clusters.ray.cluster",

@@ -1,4 +1,5 @@
-"""``notebook_launch``: resolve a plan, pick the backend that runs it, drive a :class:`Run`."""
+"""``notebook_launch``: resolve a plan, pick the backend that runs it, drive a :class:`Run`;
+and ``spawn``, the same launch in ``torch.multiprocessing.spawn``'s shape."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from nbddp.local.workers import LocalWorkers
 from nbddp.plan import LaunchPlan, make_plan
 from nbddp.run import Run, remember
 from nbddp.wire.call import dumps_call
+from nbddp.worker.spawned import LocalRankFirst
 
 
 def notebook_launch(
@@ -70,6 +72,70 @@ def notebook_launch(
         workers_per_node=workers_per_node,
     )
     return launch_plan(fn, tuple(args), dict(kwargs or {}), plan)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    nprocs: int | None = None,
+    join: bool = True,
+    **launch_options: Any,
+) -> Any:
+    """A drop-in for ``torch.multiprocessing.spawn``: ``fn(i, *args)`` on every rank, ``i``
+    being the rank's local rank (the process index ``mp.spawn`` passes); ``nprocs`` ranks
+    (``None``: one per visible GPU, 1 without). Returns rank 0's return value (a running
+    :class:`nbddp.Run` with ``join=False``). ``launch_options`` are ``notebook_launch``'s
+    (``device``, ``timeout``, ``display``, ...); ``mp.spawn``'s ``daemon`` and
+    ``start_method`` are accepted and change nothing (ranks are always fresh processes that
+    never outlive the kernel). A tutorial's own ``init_process_group`` in ``fn`` is answered
+    with the group nbddp made, so porting is one changed line."""
+    __tracebackhide__ = True  # IPython: show the user's frames, not ours
+    options = _spawn_options(nprocs, join, launch_options)
+    check_call(fn, args, None)
+    return notebook_launch(
+        LocalRankFirst(fn),
+        tuple(args),
+        num_workers="auto" if nprocs is None else nprocs,
+        block=join,
+        **options,
+    )
+
+
+_SPAWN_ONLY = {"daemon", "start_method"}  # mp.spawn's own options
+_START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def _spawn_options(nprocs: Any, join: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``notebook_launch``'s options out of ``spawn``'s; anything else is refused here."""
+    if nprocs is not None and (type(nprocs) is not int or nprocs < 1):
+        raise ValueError(
+            f"nprocs={nprocs!r}: how many ranks to start, a whole number >= 1 (None: one per "
+            "visible GPU, 1 without)."
+        )
+    if not isinstance(join, bool):
+        raise ValueError(f"join={join!r} must be True (wait, return rank 0's value) or False.")
+    renamed = {"num_workers": "nprocs=", "block": "join=", "kwargs": "args= (fn(i, *args))"}
+    allowed = [
+        name
+        for name, p in inspect.signature(notebook_launch).parameters.items()
+        if p.kind is p.KEYWORD_ONLY and name not in renamed
+    ]
+    for name in options:
+        if name in renamed:
+            raise ValueError(f"nbddp.spawn takes {renamed[name]} instead of {name}=.")
+        if name not in allowed and name not in _SPAWN_ONLY:
+            raise ValueError(
+                f"nbddp.spawn got an unknown option {name}=. It takes mp.spawn's (args, "
+                f"nprocs, join, daemon, start_method) and notebook_launch's: "
+                f"{', '.join(allowed)}."
+            )
+    method = options.get("start_method", "spawn")
+    if method not in _START_METHODS:
+        raise ValueError(
+            f"start_method={method!r} is none of mp.spawn's ({', '.join(_START_METHODS)}); "
+            "nbddp always starts fresh processes, so leave it out."
+        )
+    return {name: value for name, value in options.items() if name not in _SPAWN_ONLY}
 
 
 def check_call(fn: Any, args: Any, kwargs: Any) -> None:

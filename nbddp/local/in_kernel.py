@@ -35,7 +35,7 @@ from nbddp.environment import (
 from nbddp.errors import LaunchTimeout, WorkerError
 from nbddp.plan import LaunchPlan
 from nbddp.wire import payload
-from nbddp.worker import live
+from nbddp.worker import live, world
 from nbddp.worker.context import Context, installed
 from nbddp.worker.report import format_user_traceback, message_of
 
@@ -74,8 +74,8 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
                 previous_cuda = torch.cuda.current_device()
                 torch.cuda.set_device(device)
             if dist.is_available() and not dist.is_initialized():
-                store = dist.HashStore()  # type: ignore[attr-defined]
-                dist.init_process_group(plan.backend, store=store, rank=0, world_size=1)
+                # the user's own init_process_group(rank=0, world_size=1) is answered from it
+                world.join(plan.backend, 0, 1, store=dist.HashStore())  # type: ignore[attr-defined]
                 made_group = True
         with installed(Context(rank=0, local_rank=0, world_size=1, device=device)):
             yield
@@ -91,10 +91,9 @@ def _restore(
     excepthook: Callable[..., Any],
 ) -> None:
     import torch
-    import torch.distributed as dist
 
-    if made_group and dist.is_initialized():
-        dist.destroy_process_group()
+    if made_group:
+        world.leave()  # the group, if the user's destroy_process_group() left it
     if made_group and getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
         # init_process_group wraps sys.excepthook to prefix "[rank0]: " and nothing unwraps
         # it: each in-kernel launch would add one more prefix to the kernel's tracebacks.

@@ -36,7 +36,7 @@ from nbddp.wire.messages import (
     Task,
 )
 from nbddp.wire.transport import Connection, Frame
-from nbddp.worker import integrations, live
+from nbddp.worker import integrations, live, world
 from nbddp.worker.context import device
 from nbddp.worker.report import ChannelSink, error_report
 from nbddp.worker.setup import (
@@ -123,6 +123,7 @@ def _run_task(
         task = task._replace(call=b"")
         try:
             busy.start(task.task)
+            world.ensure_group()  # the task before may have destroyed it (a tutorial's cleanup)
             if task.kind == "cell":
                 value = fn(*args, namespace=namespace, **kwargs)
             else:

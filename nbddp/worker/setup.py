@@ -45,8 +45,10 @@ def prepare(spec: JobSpec, rank: int, conn: Connection) -> Any:
     device (named to the kernel by rank 0), and the ``nbddp.rank()`` context to install."""
     import torch
 
+    from nbddp.worker import world
     from nbddp.worker.context import Context
 
+    world.intercept()  # before the job is unpickled (see world.py)
     _adopt_kernel_paths(spec)
     _adopt_kernel_logging(spec)
     if spec.device == "cuda":
@@ -66,12 +68,11 @@ def prepare(spec: JobSpec, rank: int, conn: Connection) -> Any:
 
 
 def join_process_group(spec: JobSpec, rank: int, world_size: int) -> None:
-    """``init_process_group`` from the torchrun environment nbddp set for this rank."""
-    import torch.distributed as dist
+    """The default group, on the rendezvous of the torchrun environment nbddp set for this
+    rank; from now on the rank's own ``init_process_group`` is answered from it (world.py)."""
+    from nbddp.worker import world
 
-    dist.init_process_group(
-        backend=spec.backend, init_method="env://", rank=rank, world_size=world_size
-    )
+    world.join(spec.backend, rank, world_size)
 
 
 def flush_output() -> None:

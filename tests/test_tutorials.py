@@ -1,0 +1,413 @@
+"""Tutorial code runs unchanged: the PyTorch DDP tutorial's ``setup()`` (its own
+``init_process_group`` on a fixed ``MASTER_PORT``) and ``cleanup()``, through ``nbddp.spawn``
+(``mp.spawn``'s shape), ``notebook_launch`` and ``%%ddp``, in a real kernel; the world a
+rank's own ``init_process_group`` may ask for, and ``spawn``'s options, in this process."""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import TWO_CPU_QUIET
+
+import nbddp
+
+# https://pytorch.org/tutorials/intermediate/ddp_tutorial.html, as it runs on a CPU: the
+# tutorial's ``.to(rank)`` and ``device_ids=[rank]`` are GPU lines (the gpu test keeps them);
+# its checkpoint goes to CHECKPOINT_DIR (a test's own) instead of the shared temp directory,
+# and each demo returns its model's parameters so that a test can compare the ranks'.
+TUTORIAL = textwrap.dedent(
+    """
+    import os
+    import sys
+    import tempfile
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.optim as optim
+    import torch.multiprocessing as mp
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def setup(rank, world_size):
+        os.environ['MASTER_ADDR'] = 'localhost'
+        os.environ['MASTER_PORT'] = '12355'
+
+        # initialize the process group
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+    def cleanup():
+        dist.destroy_process_group()
+
+    class ToyModel(nn.Module):
+        def __init__(self):
+            super(ToyModel, self).__init__()
+            self.net1 = nn.Linear(10, 10)
+            self.relu = nn.ReLU()
+            self.net2 = nn.Linear(10, 5)
+
+        def forward(self, x):
+            return self.net2(self.relu(self.net1(x)))
+
+    def demo_basic(rank, world_size):
+        print(f"Running basic DDP example on rank {rank}.")
+        setup(rank, world_size)
+
+        model = ToyModel()
+        ddp_model = DDP(model)
+
+        loss_fn = nn.MSELoss()
+        optimizer = optim.SGD(ddp_model.parameters(), lr=0.001)
+
+        optimizer.zero_grad()
+        outputs = ddp_model(torch.randn(20, 10))
+        labels = torch.randn(20, 5)
+        loss_fn(outputs, labels).backward()
+        optimizer.step()
+
+        cleanup()
+        print(f"Finished running basic DDP example on rank {rank}.")
+        return [p.detach() for p in model.parameters()]
+
+    def demo_checkpoint(rank, world_size):
+        print(f"Running DDP checkpoint example on rank {rank}.")
+        setup(rank, world_size)
+
+        model = ToyModel()
+        ddp_model = DDP(model)
+
+        CHECKPOINT_PATH = CHECKPOINT_DIR + "/model.checkpoint"
+        if rank == 0:
+            # All processes should see same parameters as they all start from same
+            # random parameters and gradients are synchronized in backward passes.
+            # Therefore, saving it in one process is sufficient.
+            torch.save(ddp_model.state_dict(), CHECKPOINT_PATH)
+
+        # Use a barrier() to make sure that process 1 loads the model after process
+        # 0 saves it.
+        dist.barrier()
+        # configure map_location properly
+        map_location = {'cuda:%d' % 0: 'cuda:%d' % rank}
+        ddp_model.load_state_dict(
+            torch.load(CHECKPOINT_PATH, map_location=map_location, weights_only=True))
+
+        loss_fn = nn.MSELoss()
+        optimizer = optim.SGD(ddp_model.parameters(), lr=0.001)
+
+        optimizer.zero_grad()
+        outputs = ddp_model(torch.randn(20, 10))
+        labels = torch.randn(20, 5)
+
+        loss_fn(outputs, labels).backward()
+        optimizer.step()
+
+        # Not necessary to use a dist.barrier() to guard the file deletion below
+        # as the AllReduce ops in the backward pass of DDP already served as
+        # a synchronization.
+
+        if rank == 0:
+            os.remove(CHECKPOINT_PATH)
+
+        cleanup()
+        print(f"Finished running DDP checkpoint example on rank {rank}.")
+        return [p.detach() for p in model.parameters()]
+
+    def same_on_every_rank(per_rank):
+        return all(
+            all(torch.equal(a, b) for a, b in zip(per_rank[0], other)) for other in per_rank
+        )
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def tutorial(kernel, tmp_path_factory):
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    out, reply = kernel.run(
+        f"%load_ext nbddp\nCHECKPOINT_DIR = {str(checkpoints)!r}\n{TUTORIAL}\n"
+        "port_before = os.environ.get('MASTER_PORT')"
+    )
+    assert reply["status"] == "ok", out
+    yield kernel
+    assert os.listdir(checkpoints) == [], "rank 0 removes its checkpoint"
+
+
+def test_the_tutorial_runs_unchanged_through_spawn(tutorial):
+    out, reply = tutorial.run(
+        "weights = nbddp.spawn(demo_basic, args=(2,), nprocs=2, join=True, device='cpu', "
+        "output='all', return_all=True)\n"
+        "print('in step:', same_on_every_rank(weights), len(weights))"
+    )
+    assert reply["status"] == "ok", out
+    for rank in (0, 1):
+        assert f"Finished running basic DDP example on rank {rank}." in out
+    assert "in step: True 2" in out
+
+
+def test_the_checkpoint_demo_runs_unchanged_through_notebook_launch(tutorial):
+    out, reply = tutorial.run(
+        "weights = nbddp.notebook_launch(lambda ws: demo_checkpoint(nbddp.rank(), ws), (2,), "
+        "num_workers=2, device='cpu', output='all', return_all=True)\n"
+        "print('in step:', same_on_every_rank(weights))"
+    )
+    assert reply["status"] == "ok", out
+    assert "Finished running DDP checkpoint example on rank 1." in out
+    assert "in step: True" in out
+
+
+def test_two_runs_at_once_both_asking_for_port_12355_both_succeed(tutorial):
+    """Port 12355 is held by another program (this kernel, or anyone else on the machine):
+    neither run may bind it or talk to it."""
+    out, reply = tutorial.run(
+        "import socket\n"
+        "holder = socket.socket()\n"
+        "try:\n"
+        "    holder.bind(('127.0.0.1', 12355)); holder.listen()\n"
+        "except OSError:\n"
+        "    pass  # someone else holds it: as good\n"
+        "runs = [nbddp.spawn(demo, args=(2,), nprocs=2, join=False, device='cpu', "
+        "display='none', return_all=True) for demo in (demo_checkpoint, demo_basic)]\n"
+        "both = [run.result(timeout=120) for run in runs]\n"
+        "holder.close()\n"
+        "print('in step:', [same_on_every_rank(w) for w in both], [r.status for r in runs])"
+    )
+    assert reply["status"] == "ok", out
+    assert "in step: [True, True] ['succeeded', 'succeeded']" in out
+
+
+def test_a_tutorial_asking_for_another_world_fails_before_training(tutorial):
+    out, reply = tutorial.run(
+        "try:\n"
+        "    nbddp.spawn(demo_basic, args=(3,), nprocs=2, device='cpu', output='all')\n"
+        "except ValueError as exc:\n"
+        "    print('caught:', exc)\n"
+    )
+    assert reply["status"] == "ok", out
+    assert re.search(r"init_process_group\(rank=[01], world_size=3\) asks for a world of 3", out)
+    assert "nbddp started this launch with 2 ranks" in out
+    assert "num_workers=3 (nbddp.spawn(..., nprocs=3)" in out
+    assert "Running basic DDP example on rank 1." in out
+    assert "Finished running" not in out  # no training happened
+
+
+def test_one_rank_in_the_kernel_runs_the_tutorial_and_leaves_the_kernel_as_it_was(tutorial):
+    out, reply = tutorial.run(
+        "weights = nbddp.spawn(demo_basic, args=(1,), nprocs=1, device='cpu')\n"
+        "import torch.distributed as dist\n"
+        "print('after:', dist.is_initialized(), os.environ.get('MASTER_PORT') == port_before,\n"
+        "      'nbddp' in dist.init_process_group.__code__.co_filename)"
+    )
+    assert reply["status"] == "ok", out
+    assert "Finished running basic DDP example on rank 0." in out
+    assert "after: False True False" in out
+
+
+def test_a_ddp_cell_calling_init_process_group_itself(tutorial):
+    out, reply = tutorial.run(
+        "%%ddp -n 2 --device cpu --display none\n"
+        "os.environ['MASTER_ADDR'] = 'localhost'\n"
+        "os.environ['MASTER_PORT'] = '12355'\n"
+        "dist.init_process_group('gloo', rank=int(os.environ['RANK']), world_size=2)\n"
+        "total = torch.ones(1)\n"
+        "dist.all_reduce(total)\n"
+        "dist.destroy_process_group()\n"
+    )
+    assert reply["status"] == "ok", out
+    out, reply = tutorial.run("print('total:', total.item())")
+    assert "total: 2.0" in out, out
+
+
+def test_a_one_worker_ddp_cell_calling_init_process_group_itself(tutorial):
+    out, reply = tutorial.run(
+        "%%ddp -n 1 --device cpu --display none\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "alone = torch.ones(1)\n"
+        "dist.all_reduce(alone)\n"
+        "dist.destroy_process_group()\n"
+    )
+    assert reply["status"] == "ok", out
+    out, reply = tutorial.run("print('alone:', alone.item(), dist.is_initialized())")
+    assert "alone: 1.0 False" in out, out
+
+
+def test_a_ddp_cell_asking_for_another_world_is_told_how_to_ask(tutorial):
+    out, reply = tutorial.run(
+        "%%ddp -n 2 --device cpu --display none\n"
+        "dist.init_process_group('gloo', rank=int(os.environ['RANK']), world_size=4)\n"
+    )
+    assert reply["status"] == "error"
+    assert "asks for a world of 4 ranks" in out and "%%ddp -n 4" in out
+
+
+# -- in this process: what a rank's own init_process_group may ask for ------------------------
+
+
+def init_twice_and_reduce(init_method: str | None) -> tuple[float, str]:
+    """The tutorial's shape with another rendezvous each time: init, destroy, init again."""
+    rank = nbddp.rank()
+    for _ in range(2):
+        os.environ["MASTER_PORT"] = "12355"
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        dist.destroy_process_group()
+    return total.item(), os.environ["MASTER_PORT"]
+
+
+@pytest.mark.parametrize(
+    "init_method", [None, "env://", "tcp://127.0.0.1:12355", "file:///nonexistent/nbddp-store"]
+)
+def test_an_own_init_on_any_rendezvous_uses_nbddps_and_a_second_init_after_destroy_works(
+    init_method,
+):
+    assert nbddp.notebook_launch(init_twice_and_reduce, (init_method,), **TWO_CPU_QUIET) == (
+        2.0,
+        "12355",
+    )
+
+
+def init_from_the_environment_alone() -> str:
+    dist.init_process_group()  # env://: RANK and WORLD_SIZE as nbddp set them
+    return dist.get_backend()
+
+
+def init_as_rank_zero() -> None:
+    dist.init_process_group("gloo", rank=0, world_size=2)
+
+
+def init_by_url_query() -> None:
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:12355?world_size=3&rank=0")
+
+
+def test_an_own_init_with_nothing_named_is_the_existing_world():
+    assert nbddp.notebook_launch(init_from_the_environment_alone, **TWO_CPU_QUIET) == "gloo"
+
+
+def test_another_rank_is_a_clear_error():
+    with pytest.raises(nbddp.WorkerError, match="asks to be rank 0") as caught:
+        nbddp.notebook_launch(init_as_rank_zero, **TWO_CPU_QUIET)
+    assert caught.value.rank == 1 and isinstance(caught.value, ValueError)
+    assert "Pass rank=nbddp.rank()" in str(caught.value)
+
+
+def test_a_url_asking_for_another_world_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"world_size=3\) asks for a world of 3 ranks"):
+        nbddp.notebook_launch(init_by_url_query, **TWO_CPU_QUIET)
+
+
+def init_nccl_on_cpu() -> tuple[str, list[str]]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dist.init_process_group("nccl", rank=nbddp.rank(), world_size=nbddp.world_size())
+    return dist.get_backend(), [str(w.message) for w in seen]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="NCCL would work on this machine")
+def test_nccl_asked_on_a_cpu_launch_keeps_gloo_and_says_so():
+    backend, said = nbddp.notebook_launch(init_nccl_on_cpu, **TWO_CPU_QUIET)
+    assert backend == "gloo"
+    assert any("NCCL needs a GPU" in s and "device='cuda'" in s for s in said), said
+
+
+def destroy_then_return() -> int:
+    dist.destroy_process_group()
+    return nbddp.rank()
+
+
+def test_the_users_destroy_leaves_nbddps_work_after_fn_intact():
+    assert nbddp.notebook_launch(destroy_then_return, return_all=True, **TWO_CPU_QUIET) == [0, 1]
+
+
+def test_the_users_destroy_in_a_session_task_and_the_next_task_has_a_group():
+    with nbddp.Session(num_workers=2, device="cpu") as session:
+        assert session.run(init_twice_and_reduce, ("env://",), display="none")[0] == 2.0
+        assert session.run(reduce_ones, display="none") == 2.0
+
+
+def reduce_ones() -> float:
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_a_notebook_import_of_init_process_group_by_name_is_answered_too():
+    namespace: dict = {"__name__": "__main__", "nbddp": nbddp, "torch": torch}
+    exec(
+        "from torch.distributed import init_process_group, destroy_process_group, all_reduce\n"
+        "def train():\n"
+        "    init_process_group('gloo', rank=nbddp.rank(), world_size=2)\n"
+        "    t = torch.ones(1)\n"
+        "    all_reduce(t)\n"
+        "    destroy_process_group()\n"
+        "    return t.item()\n",
+        namespace,
+    )
+    assert nbddp.notebook_launch(namespace["train"], **TWO_CPU_QUIET) == 2.0
+
+
+# -- nbddp.spawn's options ----------------------------------------------------------------------
+
+
+def local_rank_and(index: int, value: str) -> tuple[int, int, str]:
+    return index, nbddp.local_rank(), value
+
+
+def test_spawn_passes_the_local_rank_first_and_join_false_gives_the_run():
+    run = nbddp.spawn(
+        local_rank_and, ("x",), nprocs=2, join=False, device="cpu", display="none", daemon=False
+    )
+    assert isinstance(run, nbddp.Run)
+    assert run.result(timeout=60) == (0, 0, "x")
+    assert nbddp.spawn(local_rank_and, ["y"], 2, True, device="cpu", return_all=True) == [
+        (0, 0, "y"),
+        (1, 1, "y"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"nprocs": 0}, "nprocs=0: how many ranks"),
+        ({"nprocs": "2"}, "nprocs='2'"),
+        ({"join": "yes"}, "join='yes' must be True"),
+        ({"num_workers": 2}, "takes nprocs= instead of num_workers="),
+        ({"block": False}, "takes join= instead of block="),
+        ({"kwargs": {}}, "takes args="),
+        ({"start_method": "threads"}, "start_method='threads' is none of mp.spawn's"),
+        ({"devices": "cpu"}, "unknown option devices=. It takes mp.spawn's"),
+        ({"device": "tpu"}, "device"),
+        ({"args": 3}, "args=3 must be a tuple or list"),
+    ],
+)
+def test_spawn_refuses_bad_options_before_any_process_starts(options, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        nbddp.spawn(local_rank_and, **{"args": ("x",), "device": "cpu", **options})
+
+
+@pytest.mark.gpu
+def test_the_tutorial_with_its_gpu_lines_lands_each_rank_on_its_gpu():
+    """Unchanged GPU lines: ``.to(rank)``, ``device_ids=[rank]``, ``torch.cuda.set_device``."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        pytest.skip("needs two GPUs")
+    namespace: dict = {"__name__": "__main__", "nbddp": nbddp}
+    exec(
+        "import torch, torch.distributed as dist, torch.nn as nn\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "def demo(rank, world_size):\n"
+        "    dist.init_process_group('nccl', rank=rank, world_size=world_size)\n"
+        "    torch.cuda.set_device(rank)\n"
+        "    model = nn.Linear(10, 5).to(rank)\n"
+        "    ddp = DDP(model, device_ids=[rank])\n"
+        "    ddp(torch.randn(20, 10).to(rank)).sum().backward()\n"
+        "    dist.destroy_process_group()\n"
+        "    return str(next(model.parameters()).device), str(nbddp.device())\n",
+        namespace,
+    )
+    got = nbddp.spawn(namespace["demo"], (2,), nprocs=2, return_all=True, display="none")
+    assert got == [("cuda:0", "cuda:0"), ("cuda:1", "cuda:1")]
