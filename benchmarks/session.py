@@ -1,6 +1,7 @@
 """Session cells: how long a cell on ranks that stay up takes, from a real Jupyter kernel.
 
     python benchmarks/session.py [--quick]
+    python benchmarks/session.py --tasks [N]   # session.run of an empty function, no kernel
 
 Each case is one cell sent by jupyter_client to a running IPython kernel, timed from the
 request to the reply (what a user waits for), on 2 CPU ranks that were started beforehand:
@@ -106,5 +107,39 @@ def run(quick: bool = False) -> str:
     return "\n".join(rows)
 
 
+def empty() -> None:
+    pass
+
+
+def tasks(count: int = 300) -> str:
+    """The latency of an empty task, ``session.run(empty)`` on 2 CPU ranks already up, as a
+    distribution: what every session task costs before any user code (the wire, the ranks'
+    bookkeeping, the judging), without a kernel's round trip on top."""
+    import nbddp
+
+    times = []
+    with nbddp.Session(num_workers=2, device="cpu") as session:
+        for _ in range(20):  # warm up
+            session.run(empty, display="none")
+        for _ in range(count):
+            started = time.perf_counter()
+            session.run(empty, display="none")
+            times.append((time.perf_counter() - started) * 1000)
+    times.sort()
+
+    def at(q: float) -> float:
+        return times[min(len(times) - 1, int(q * len(times)))]
+
+    return (
+        f"| empty task, {count} runs | {at(0.5):.2f} | {at(0.9):.2f} | {at(0.99):.2f} | "
+        f"{times[-1]:.2f} |"
+    )
+
+
 if __name__ == "__main__":
-    print(run("--quick" in sys.argv))
+    if "--tasks" in sys.argv:
+        rest = sys.argv[sys.argv.index("--tasks") + 1 :]
+        print("| session.run (ms) | p50 | p90 | p99 | max |\n| --- | ---: | ---: | ---: | ---: |")
+        print(tasks(int(rest[0]) if rest else 300))
+    else:
+        print(run("--quick" in sys.argv))

@@ -343,3 +343,42 @@ def test_a_node_lost_during_a_session_task_is_named(cluster):
     finally:
         session.close()
         simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)  # two nodes again
+
+
+def all_reduce_cut_short_on_rank_zero():
+    import torch
+    import torch.distributed as dist
+
+    if nbddp.rank() == 1:
+        time.sleep(1)
+        raise ValueError("rank 1 fails")
+    bound = dist.ProcessGroup.__dict__["allreduce"]
+    issue = dist.ProcessGroup.allreduce
+
+    def issue_then_linger(self, *args, **kwargs):
+        work = issue(self, *args, **kwargs)
+        time.sleep(60)  # between the issue and work.wait(): the interrupt lands here
+        return work
+
+    dist.ProcessGroup.allreduce = issue_then_linger
+    try:
+        dist.all_reduce(torch.ones(1))
+    finally:
+        dist.ProcessGroup.allreduce = bound
+
+
+def test_a_session_on_the_cluster_never_keeps_collectives_out_of_step(cluster):
+    """Issue #27, on two nodes: rank 0 came back to idle with an all_reduce rank 1 never
+    matched; the ranks are replaced, and the next all_reduce is right, at once."""
+    with nbddp.Session(cluster="ray", device="cpu") as session:
+        session.run(count_on_rank, display="none")
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1 fails") as raised:
+            session.run(all_reduce_cut_short_on_rank_zero, display="none")
+        assert time.monotonic() - started < 5  # not stuck: both ranks came back
+        assert "the ranks' collectives were out of step" in str(raised.value)
+        started = time.monotonic()
+        results = session.run(where_am_i, return_all=True, timeout=15, display="none")
+        assert [r["sum"] for r in results] == [3.0, 3.0]
+        assert time.monotonic() - started < 5
+        assert "out of step" in session.status()[0]["restarted"]

@@ -136,6 +136,8 @@ def status_table(session: Session) -> str:
             f"{row['rank']:>4}  {row['pid'] or '-':>7}  {state:<8}  "
             f"{_size(row['memory']):>10}  {_size(row['device_memory']):>10}"
         )
+    if rows[0]["restarted"]:
+        lines.append(f"ranks restarted {rows[0]['restarted']}; the state they held was lost")
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
 Like a launch's :class:`~nbddp.rules.referee.Referee` (both stand on
 :class:`~nbddp.rules.judging.Judging`), but the ranks stay up after a task, so the task is over
 when every rank answered, and what matters after a failure is whether every rank comes back to
-idle (the session keeps its state) or some are stuck (it must be replaced).
+idle with its process groups in step (the session keeps its state), or some are stuck, or came
+back out of step (``rules/in_step.py``): then it must be replaced.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any, Literal, NamedTuple
 from nbddp.backend import Outcome, RunEvents, Writable
 from nbddp.display.terminal import CellStream
 from nbddp.errors import LaunchTimeout
+from nbddp.rules.in_step import out_of_step
 from nbddp.rules.judging import SETTLE, Clock, Judging, write_out
-from nbddp.wire.messages import Failed, Result, Unsendable
+from nbddp.wire.messages import Failed, GroupCount, Issued, Result, Unsendable
 
 # How long ranks get to come back to idle after a failure, a stop or an interrupt before
 # they count as stuck (e.g. in a collective waiting for a peer that failed) and are restarted.
@@ -30,6 +32,13 @@ class TaskVerdict(NamedTuple):
     outcome: Outcome
     stuck: tuple[int, ...]  # ranks that never answered: the session's ranks must be replaced
     died: tuple[int, ...]  # ranks whose process ended
+    # after a task cut short, every rank idle but their collectives out of step: what differs
+    out_of_step: str | None = None
+
+    @property
+    def lost(self) -> bool:
+        """The ranks cannot be kept: the session must replace them (their state is lost)."""
+        return bool(self.stuck or self.died or self.out_of_step)
 
 
 class TaskReferee(Judging):
@@ -47,17 +56,22 @@ class TaskReferee(Judging):
         interrupt: Callable[[], None],
         node_of: Callable[[int], str | None] = lambda rank: None,
         clock: Clock = time.monotonic,
+        issued: dict[int, tuple[GroupCount, ...] | None] | None = None,
     ) -> None:
         super().__init__(world_size, return_all, timeout, events, node_of, clock)
         self.output: Writable = events.output or CellStream(sys.stdout)  # taken in the cell
         self._interrupt = interrupt
         self._answered: set[int] = set()
+        # each rank's last report of its collectives (kept across tasks: sent when changed)
+        self._issued = issued if issued is not None else {}
         self._died: set[int] = set()
         self._ending: Ending | None = None
         self._grace_until: float | None = None
 
     def _message(self, rank: int, message: Any, buffers: list[Any]) -> None:
         match message:
+            case Issued(groups=groups):
+                self._issued[rank] = groups
             case Result(stream=stream):
                 self.tracker.result(rank, stream, buffers, False)
                 self._answered.add(rank)
@@ -80,8 +94,10 @@ class TaskReferee(Judging):
     def _printed(self, text: str) -> None:
         write_out(self.output, text)
 
-    def _end(self, why: Ending, grace: float = GRACE) -> None:
-        """The task ends early: interrupt who still runs it, and give them ``grace``."""
+    def _end(self, why: Ending, grace: float | None = None) -> None:
+        """The task ends early: interrupt who still runs it, and give them ``grace``
+        (``GRACE``, read now: a test may shorten it)."""
+        grace = GRACE if grace is None else grace
         now = self._clock()
         if self._ending is None:
             self._ending = why
@@ -105,14 +121,23 @@ class TaskReferee(Judging):
         if not everyone and self._clock() < self._grace_until:
             return None
         stuck = tuple(r for r in range(self.world_size) if r not in self._answered)
-        return TaskVerdict(self._outcome(), stuck, tuple(sorted(self._died)))
+        died = tuple(sorted(self._died))
+        # cut short: an interrupt may have come between a collective's start and its wait
+        differs = None if stuck or died else out_of_step(self._issued, self.world_size)
+        return TaskVerdict(self._outcome(differs), stuck, died, differs)
 
-    def _outcome(self) -> Outcome:
+    def _outcome(self, differs: str | None) -> Outcome:
         if self._ending == "stopped":
             return Outcome("stopped")
         if self._ending == "timeout":
             assert self._timeout is not None
-            if len(self._answered) == self.world_size:
+            if differs is not None:
+                ended = (
+                    "the session's ranks were interrupted, but their collectives were left out "
+                    f"of step ({differs}), so fresh ones were started: the state on the ranks "
+                    "is lost"
+                )
+            elif len(self._answered) == self.world_size:
                 ended = "the session's ranks were interrupted and kept their state"
             else:
                 ended = (
@@ -121,3 +146,35 @@ class TaskReferee(Judging):
                 )
             return Outcome("failed", error=LaunchTimeout(self._timeout, ended))
         return Outcome("failed", error=self.tracker.root_cause().error)
+
+
+def trigger(outcome: Outcome) -> str:
+    """What cut a task short, for the user: "the stop", "the timeout" or "the failure"."""
+    if outcome.status == "stopped":
+        return "the stop"
+    return "the timeout" if isinstance(outcome.error, LaunchTimeout) else "the failure"
+
+
+def restart_cause(verdict: TaskVerdict, what: str) -> str:
+    """Why the session's ranks could not be kept after a task (``verdict.lost``)."""
+    if verdict.died:
+        who = ", ".join(map(str, verdict.died))
+        return f"rank {who} died, which breaks the process group"
+    if verdict.stuck:
+        who = ", ".join(map(str, verdict.stuck))
+        return (
+            f"rank {who} did not return to idle within {GRACE:g} s of {what} (stuck, e.g. in a "
+            "collective waiting for a rank that failed)"
+        )
+    return (
+        f"after {what}, the ranks' collectives were out of step ({verdict.out_of_step}; an "
+        "interrupt landed inside a collective, and the next one would hang or pair with the "
+        "stale one)"
+    )
+
+
+def restart_note(verdict: TaskVerdict, what: str) -> str:
+    return (
+        f"The session was restarted: {restart_cause(verdict, what)}, so its ranks were ended "
+        "and fresh ones started. State on the ranks is lost: rerun the cells that built it."
+    )

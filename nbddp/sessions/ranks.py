@@ -5,9 +5,10 @@ Where they run is a :class:`RanksIO`: on this machine one
 cluster each node's helper keeping its group (``RayWorkers`` with ``session=True``). Their
 loop runs on a thread of its own, judged by a :class:`_Dispatcher` that hands each task's
 events to that task's :class:`~nbddp.rules.task_referee.TaskReferee` and watches the ranks between
-tasks (one that dies while idle ends the session's ranks). When a task's ranks are stuck,
-the loop ends, which tears the ranks down, and only then is the task's outcome reported: a
-user who sees the error never waits on a leftover process.
+tasks (one that dies while idle ends the session's ranks). When a task's ranks are stuck, or
+came back with their collectives out of step (``rules/in_step.py``), the loop ends, which
+tears the ranks down, and only then is the task's outcome reported: a user who sees the error
+never waits on a leftover process.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from nbddp.local.processes import Starter
 from nbddp.local.workers import local_group
 from nbddp.plan import LaunchPlan
 from nbddp.rules.judging import write_out
-from nbddp.rules.task_referee import TaskReferee, TaskVerdict
+from nbddp.rules.task_referee import TaskReferee, TaskVerdict, restart_cause, trigger
 from nbddp.rules.tracker import RunTracker
 from nbddp.wire.call import Call
 from nbddp.wire.messages import (
     DeviceName,
     Ended,
     Failed,
+    GroupCount,
     Interrupt,
     Joined,
     Names,
@@ -109,7 +111,7 @@ class _Dispatcher:
                 finish, self.finish, self.task = self.finish, None, None
                 assert finish is not None
                 self._ranks.io.drain_output()  # what the ranks printed before answering
-                if verdict.stuck or verdict.died:
+                if verdict.lost:
                     self.left_over = (verdict, finish)
                     return "restart"
                 finish(verdict)
@@ -197,6 +199,7 @@ class SessionRanks:
         self.device_name = "cpu" if plan.device == "cpu" else "GPU"
         self.names: frozenset[str] = frozenset()  # what rank 0's namespace holds
         self.statuses: dict[int, RankStatus] = {}
+        self.issued: dict[int, tuple[GroupCount, ...] | None] = {}  # each rank's last Issued
         self.probed = threading.Event()
         self.ended: str | None = None  # why the ranks are gone, once they are
         self.failure: NbddpError | None = None  # our own bug that ended them, if one did
@@ -265,6 +268,8 @@ class SessionRanks:
             event = dispatcher.died_idle
 
             why = f"rank {event.rank} {describe_exit(event.code)} while the session was idle"
+        elif dispatcher.left_over is not None:
+            why = restart_cause(dispatcher.left_over[0], trigger(dispatcher.left_over[0].outcome))
         self.ended = why
         if dispatcher.left_over is not None:
             verdict, finish = dispatcher.left_over
@@ -294,6 +299,7 @@ class SessionRanks:
             events,
             interrupt=lambda: self.io.send_all(Interrupt(task_id)),
             node_of=self._node_of,
+            issued=self.issued,
         )
         self.io.set_output(plan.output, events.output)
 

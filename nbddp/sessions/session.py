@@ -4,10 +4,11 @@ A launch gives every call fresh processes; a session starts its ranks once (proc
 joined) and runs each ``session.run(fn)`` or ``%%ddp --session`` cell on them, so a model
 loaded in one cell is trained in the next and evaluated in a third without ever leaving the
 ranks. Results, errors, the live panel, Stop and timeouts are a launch's. What differs is
-what a failure leaves behind: when every rank came back to idle, the session and its state
-survive; ranks that do not come back within ``GRACE`` seconds (stuck in a collective waiting
-for a peer that failed) or a rank that died are replaced by fresh ones, and the user is told
-that the state on the ranks is lost.
+what a failure leaves behind: when every rank came back to idle with its process groups in
+step, the session and its state survive; ranks that do not come back within ``GRACE`` seconds
+(stuck in a collective waiting for a peer that failed), a rank that died, or ranks that came
+back having issued different numbers of collectives (an interrupt landed inside one) are
+replaced by fresh ones, and the user is told that the state on the ranks is lost.
 
 The ranks are processes even with one rank (the namespace is theirs, not the notebook's). On a
 Ray cluster (``cluster=``, or ``nbddp.set_cluster``) each node's helper keeps its ranks up for
@@ -16,6 +17,7 @@ the session, and tasks reach them through it.
 
 from __future__ import annotations
 
+import time
 import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -25,7 +27,7 @@ from nbddp.backend import Finish, RunEvents
 from nbddp.errors import NbddpError, WorkerError, warn_user
 from nbddp.launch import check_call, stop_despite_interrupts
 from nbddp.plan import LaunchPlan, make_plan, with_run_options
-from nbddp.rules.task_referee import GRACE, TaskReferee, TaskVerdict
+from nbddp.rules.task_referee import TaskReferee, TaskVerdict, restart_cause, restart_note, trigger
 from nbddp.run import Run, remember
 from nbddp.sessions.ranks import SessionRanks
 from nbddp.wire import payload
@@ -80,6 +82,7 @@ class Session:
         self._holder: list[SessionRanks | None] = [None]  # what the finalizer ends
         self._closed = False
         self._active: Run | None = None
+        self._restarted: str | None = None  # when and why the session last replaced its ranks
         # at kernel exit, or when the session is garbage: its ranks end
         self._finalizer = weakref.finalize(self, _close, self._holder)
         self._start_ranks()
@@ -106,8 +109,9 @@ class Session:
 
     def status(self) -> list[dict[str, Any]]:
         """One row per rank: ``rank``, ``pid``, ``alive``, ``busy`` (None: no answer within
-        2 s), ``memory`` (resident bytes) and ``device_memory`` (bytes PyTorch reserved on
-        its GPU; None on the CPU)."""
+        2 s), ``memory`` (resident bytes), ``device_memory`` (bytes PyTorch reserved on
+        its GPU; None on the CPU) and ``restarted``: when and why the session last replaced
+        its ranks after a task (stuck, died, or collectives out of step), None if never."""
         ranks = self._holder[0]
         if ranks is None:
             return []
@@ -124,6 +128,7 @@ class Session:
                     "busy": answer.busy if answer is not None else None,
                     "memory": answer.memory if answer is not None else None,
                     "device_memory": answer.device_memory if answer is not None else None,
+                    "restarted": self._restarted,
                 }
             )
         return rows
@@ -228,7 +233,8 @@ class Session:
             stop_despite_interrupts(run)
             self._replace_if_lost(task, "the interrupt")
             raise
-        self._replace_if_lost(task, "the stop" if run.status == "stopped" else "the failure")
+        if task.verdict is not None:
+            self._replace_if_lost(task, trigger(task.verdict.outcome))
         return run.result()
 
     # -- the ranks' life -----------------------------------------------------------------------
@@ -262,17 +268,19 @@ class Session:
             f"the session's ranks had ended ({why}): starting fresh ranks; the state "
             "they held is lost."
         )
+        self._restarted = f"at {time.strftime('%H:%M:%S')}: the ranks had ended ({why})"
         return self._start_ranks()
 
     def _replace_if_lost(self, task: _SessionTask, what: str) -> None:
         """After a blocking task whose ranks were ended: fresh ranks now, and say so."""
         verdict = task.verdict
-        if verdict is None or not (verdict.stuck or verdict.died):
+        if verdict is None or not verdict.lost:
             return
         if not (
             verdict.outcome.error is not None and isinstance(verdict.outcome.error, WorkerError)
         ):
             warn_user(restart_note(verdict, what))  # a WorkerError carries it in its message
+        self._restarted = f"at {time.strftime('%H:%M:%S')}: {restart_cause(verdict, what)}"
         try:
             self._start_ranks()
         except Exception as exc:
@@ -282,6 +290,7 @@ class Session:
         """End the ranks and start fresh ones (their state is lost)."""
         self._end_ranks()
         self._closed = False
+        self._restarted = None  # the user's own restart: nothing to explain
         self._start_ranks()
 
     def close(self) -> None:
@@ -317,22 +326,6 @@ def _close(holder: list[SessionRanks | None]) -> None:
         ranks.close()
 
 
-def restart_note(verdict: TaskVerdict, what: str) -> str:
-    if verdict.died:
-        who = ", ".join(map(str, verdict.died))
-        cause = f"rank {who} died, which breaks the process group"
-    else:
-        who = ", ".join(map(str, verdict.stuck))
-        cause = (
-            f"rank {who} did not return to idle within {GRACE:g} s of {what} (stuck, e.g. in a "
-            "collective waiting for a rank that failed)"
-        )
-    return (
-        f"The session was restarted: {cause}, so its ranks were ended and fresh ones "
-        "started. State on the ranks is lost: rerun the cells that built it."
-    )
-
-
 class _SessionTask:
     """The :class:`~nbddp.backend.Backend` of one session task: the ranks already run."""
 
@@ -357,9 +350,9 @@ class _SessionTask:
     def _done(self, verdict: TaskVerdict) -> None:
         self.verdict = verdict
         error = verdict.outcome.error
-        if (verdict.stuck or verdict.died) and isinstance(error, WorkerError):
+        if verdict.lost and isinstance(error, WorkerError):
             error.hint = (error.hint + "\n" if error.hint else "") + restart_note(
-                verdict, "the failure"
+                verdict, trigger(verdict.outcome)
             )
         assert self._finish is not None
         self._finish(verdict.outcome)

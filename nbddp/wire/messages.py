@@ -34,13 +34,18 @@ Kernel -> worker:
 
 A session's ranks (``JobSpec.session``) stay up: after the ``Job`` (which carries no call) and
 ``Joined``, each runs one task after another, answering every ``Task`` with ``Result``,
-``Failed`` or ``Unsendable``; rank 0 sends ``Names`` just before its answer.
+``Failed`` or ``Unsendable``; just before its answer, rank 0 sends ``Names``, and a rank whose
+count of collectives changed ``Issued``.
 
     Task(task, kind, call, sources, shared, return_all, output)   kernel -> rank
     Interrupt(task)                   KeyboardInterrupt into that task's code, if it still runs
     Probe()                           asks for a RankStatus, answered even while a task runs
     RankStatus(rank, busy, memory, device_memory)                  rank -> kernel
     Names(rank, names)                the names the session's namespace holds on rank 0
+    Issued(rank, groups)              before a task's answer, when they changed: how many
+                                      collectives the rank issued on each of its process
+                                      groups (None: it cannot count them), to tell whether
+                                      they are in step
 
 Messages are NamedTuples: pickled in a few bytes, immutable, and matched by class in the
 supervisor (``match message: case Rows(rank, first, blocks): ...``).
@@ -231,6 +236,19 @@ class Names(NamedTuple):
     names: tuple[str, ...]
 
 
+class GroupCount(NamedTuple):
+    """One process group as a rank sees it (``worker/collectives.py``)."""
+
+    name: str  # torch's name of the group, the same on every member
+    members: tuple[int, ...]  # its global ranks
+    issued: int  # how many collectives this rank issued on it (torch's sequence number)
+
+
+class Issued(NamedTuple):
+    rank: int
+    groups: tuple[GroupCount, ...] | None  # None: this torch cannot count them
+
+
 class Joined(NamedTuple):
     rank: int
 
@@ -292,6 +310,7 @@ Message = (
     | Probe
     | RankStatus
     | Names
+    | Issued
 )
 
 

@@ -1,12 +1,13 @@
 """A session's rank: joins the process group once, then runs task after task in one namespace.
 
-The kernel's half is ``nbddp/session.py``. The rank's main thread runs the tasks; a listener
+The kernel's half is ``nbddp/sessions/``. The rank's main thread runs the tasks; a listener
 thread reads the channel, queues each ``Task``, answers a ``Probe`` at once (even while a task
 runs), and turns an ``Interrupt`` into ``KeyboardInterrupt`` in the task's code: a SIGINT sent
 to the main thread, whose handler raises only while a task is running, so an interrupt that
 comes late can never break the rank's own bookkeeping. Code blocked in a native call (a
 collective waiting for a peer) sees it only when the call returns; the kernel restarts ranks
-that do not come back.
+that do not come back, and ranks that came back with their collectives out of step (each
+reports how many it issued per process group, ``worker/collectives.py``).
 
 When the kernel end closes, the rank kills its own process group at once, as a launch's does.
 """
@@ -36,7 +37,7 @@ from nbddp.wire.messages import (
     Task,
 )
 from nbddp.wire.transport import Connection, Frame
-from nbddp.worker import integrations, live, world
+from nbddp.worker import collectives, integrations, live, world
 from nbddp.worker.context import device
 from nbddp.worker.report import ChannelSink, error_report
 from nbddp.worker.setup import (
@@ -98,16 +99,22 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     integrations.install(spec.output)
     signal.signal(signal.SIGINT, busy.on_sigint)
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    reporter = collectives.Reporter(rank)
     with installed(context):
         while True:
             try:
-                _run_task(tasks.get(), rank, conn, namespace, busy)
+                _run_task(tasks.get(), rank, conn, namespace, busy, reporter)
             except KeyboardInterrupt:  # came after the task ended: nothing left to stop
                 continue
 
 
 def _run_task(
-    frame: Frame, rank: int, conn: Connection, namespace: dict[str, Any], busy: _Busy
+    frame: Frame,
+    rank: int,
+    conn: Connection,
+    namespace: dict[str, Any],
+    busy: _Busy,
+    reporter: collectives.Reporter,
 ) -> None:
     task = frame.message
     assert isinstance(task, Task)
@@ -139,6 +146,7 @@ def _run_task(
     finally:
         live.install(None)
         flush_output()
+    reporter.report(conn)  # the task's code is over: the numbers stay as they are
     if rank == 0:
         conn.send(Names(rank, tuple(n for n in namespace if not n.startswith("__"))))
     if report is not None:
