@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, Protocol
 
-from nbddp.wire.messages import BarSnapshot, Block, RankEvent
+from nbddp.wire.messages import BarSnapshot, Block, Display, RankEvent
 
 
 class Writable(Protocol):
@@ -64,6 +64,9 @@ class RunEvents(Protocol):
 
     def bars(self, bars: list[BarSnapshot]) -> None:
         """A snapshot of rank 0's progress bars."""
+
+    def display(self, message: Display) -> None:
+        """A rank's rich output (a MIME bundle), for the launching cell."""
 
 
 Finish = Callable[[Outcome], None]

@@ -19,6 +19,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -186,7 +187,11 @@ def worker_env(
     if "OMP_NUM_THREADS" not in os.environ:  # split the cores instead of oversubscribing them
         env["OMP_NUM_THREADS"] = str(max(1, available_cores() // place.local_world_size))
     if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
-        env["MPLBACKEND"] = "Agg"  # the notebook's inline backend means nothing in a rank
+        # launched from a Jupyter kernel (ipykernel set this): the notebook's inline backend,
+        # as a rank can have it, figures going to the cell; and plotly's renderer, which a
+        # process without IPython would make a web browser
+        env["MPLBACKEND"] = "module://nbddp.worker.figures"
+        env.setdefault("PLOTLY_RENDERER", _plotly_renderer())
     if device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(physical_gpus(gpus))
     if interface is not None:
@@ -231,6 +236,14 @@ def notebook_logging() -> tuple[int, str, str | None] | None:
     if style is not None and not isinstance(style, logging.PercentStyle):
         return root.level, logging.BASIC_FORMAT, formatter.datefmt  # {}- and $-styles: plain
     return root.level, getattr(formatter, "_fmt", None) or logging.BASIC_FORMAT, formatter.datefmt
+
+
+def _plotly_renderer() -> str:
+    """The kernel's plotly renderer when plotly chose one here, else what plotly chooses in a
+    Jupyter kernel, with plotly.js from its CDN (a rank's own would embed it in every run)."""
+    renderers = getattr(sys.modules.get("plotly.io"), "renderers", None)
+    chosen = getattr(renderers, "default", None)
+    return chosen if isinstance(chosen, str) and chosen else "plotly_mimetype+notebook_connected"
 
 
 def check_user_env(env: Mapping[str, str], device: str) -> None:

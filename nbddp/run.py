@@ -12,6 +12,7 @@ from typing import Any
 from nbddp import interrupts
 from nbddp.backend import Backend, Outcome, Status
 from nbddp.display import LiveDisplay
+from nbddp.display.rich import RichOutputs
 from nbddp.display.state import RunState
 from nbddp.errors import RunStopped, warn_always
 from nbddp.plan import LaunchPlan
@@ -45,6 +46,8 @@ class Run:
         self._state = RunState(
             plan.world_size, plan.device, plan.backend, device_name, nodes=plan.nodes
         )
+        if plan.output != "none":  # the ranks' display() and figures, in this cell
+            self._state.rich = RichOutputs(plan.output)
         self._display: LiveDisplay | None = None
         self._outcome: Outcome | None = None
         self._done = threading.Event()

@@ -87,6 +87,16 @@ def test_an_out_name_that_cannot_come_back_is_unbound_and_stays_on_the_ranks(ses
     assert "lock" in out  # still there, on the ranks
 
 
+def test_rich_output_of_a_session_cell_lands_in_that_cell(session_kernel):
+    for n in (1, 2):  # the ranks' loop outlives each cell: each output goes to its own
+        out = cell(
+            session_kernel,
+            "%%ddp --session --display none\nfrom IPython.display import HTML\n"
+            f"print('cell {n}')\ndisplay(HTML('<b>session cell {n}</b>'))",
+        )
+        assert out == f"cell {n}\n<b>session cell {n}</b>\n"
+
+
 def test_a_cell_raising_on_rank_1_only_keeps_the_state(session_kernel):
     cell(session_kernel, "%%ddp --session --display none\nkept = nbddp.rank() + 40")
     out = cell(

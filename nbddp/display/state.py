@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 
 from nbddp.backend import Status
 from nbddp.display.metrics import History, MetricsAggregator
+from nbddp.display.rich import RichOutputs
 from nbddp.display.terminal import LineWindow
-from nbddp.wire.messages import BarSnapshot, Block
+from nbddp.wire.messages import BarSnapshot, Block, Display
 
 OUTPUT_LINES = 200
 CHART_POINTS = 300
@@ -87,6 +88,7 @@ class RunState:
         self.metrics = MetricsAggregator(world_size, self.history)
         self._output = LineWindow(OUTPUT_LINES)
         self.panel_output = False  # the live widget shows the ranks' output
+        self.rich: RichOutputs | None = None  # where the ranks' rich output goes (the cell)
         self.version = 0
         self.changed = threading.Condition()
 
@@ -142,6 +144,10 @@ class RunState:
                     now_shown[bar.id] = shown
             self._bars = now_shown
             self._bump()
+
+    def display(self, message: Display) -> None:
+        if self.rich is not None:  # published at once: not part of what the panel shows
+            self.rich.show(message)
 
     def add_output(self, text: str) -> None:
         with self.changed:

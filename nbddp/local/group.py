@@ -30,7 +30,18 @@ from nbddp.local.pump import OutputPump
 from nbddp.local.rundir import RunDir
 from nbddp.wire import payload
 from nbddp.wire.call import Call
-from nbddp.wire.messages import SPEC, Ended, Hello, Job, JobSpec, Output, Received, Started
+from nbddp.wire.messages import (
+    SPEC,
+    Display,
+    Ended,
+    Hello,
+    Job,
+    JobSpec,
+    Output,
+    Received,
+    Shown,
+    Started,
+)
 from nbddp.wire.transport import AuthenticationFailed, Connection, Listener, PendingHandshake
 
 _READ_BUDGET = 16 << 20  # bytes read from one connection before the loop looks around
@@ -258,7 +269,12 @@ class RankGroup:
             else:
                 self._forget(conn)  # a stranger that knew the key but is no rank of ours
         elif getattr(message, "rank", None) == rank:
+            shown = isinstance(message, Display) and not message.update
+            if shown and self._pump is not None:
+                self._pump.drain(rank)  # what the rank printed before it goes first
             self._judge.event(Received(rank, message, buffers))
+            if shown:
+                self._send(conn, Shown())  # the rank may go on printing
         else:
             self._forget(conn)  # a message out of place
 

@@ -21,6 +21,7 @@ from nbddp.rules.tracker import RunTracker
 from nbddp.wire.messages import (
     Bars,
     DeviceName,
+    Display,
     Ended,
     MainRows,
     NodeLost,
@@ -52,6 +53,8 @@ def forward_live(events: RunEvents, rank: int, message: Any) -> bool:
             events.bars(bars)
         case DeviceName(name=name):
             events.device(name)
+        case Display():
+            events.display(message)
         case _:
             return False
     return True

@@ -12,6 +12,13 @@ Worker -> kernel, in this order on each rank's connection:
                                       the main process), each with the library's step; taken
                                       as they are, not averaged
     Bars(rank, bars)                  a snapshot of rank 0's progress bars
+    Display(rank, data, metadata, transient, update)
+                                      a rich output (a MIME bundle: IPython's display(),
+                                      a matplotlib figure, the cell's last value), for the
+                                      cell; sent after flushing the rank's stdout/stderr, so
+                                      the kernel shows the text printed before it first.
+                                      At most ``MAX_DISPLAYS`` new outputs per rank and run,
+                                      each at most ``MAX_DISPLAY_BYTES``
     Trained(rank, check)              just before Result: what the rank knows of its DDP
                                       models and collectives (``SyncCheck``), for the
                                       kernel's "did DDP happen?" verdict
@@ -26,6 +33,9 @@ Kernel -> worker:
     Job(call, sources, shared)        the pickled (fn, args, kwargs), the notebook's cell
                                       sources for tracebacks, and the layout of the shared
                                       memory segment whose descriptor travels with the frame
+    Shown()                           the rank's last new ``Display`` was handed on after
+                                      what the rank printed before it; the rank waits for
+                                      this, so that what it prints next comes after it
     AllJoined()                       every rank is in the process group. A rank that finished
                                       waits for this before it exits, so that none leaves
                                       while a peer still needs it to join (rank 0 hosts the
@@ -134,6 +144,20 @@ class SyncCheck(NamedTuple):
 class Trained(NamedTuple):
     rank: int
     check: SyncCheck
+
+
+MAX_DISPLAYS = 100  # new rich outputs a rank shows per run (updates in place not counted)
+MAX_DISPLAY_BYTES = 8 << 20  # one bundle, encoded: a bigger one is replaced by a note
+
+
+class Display(NamedTuple):
+    """A rich output of a rank: IPython's display_data (or update_display_data)."""
+
+    rank: int
+    data: dict[str, Any]  # MIME type -> content (binary types base64, as Jupyter has them)
+    metadata: dict[str, Any]
+    transient: dict[str, Any]  # {"display_id": ...} for outputs updated in place
+    update: bool = False
 
 
 class Result(NamedTuple):
@@ -257,6 +281,10 @@ class AllJoined(NamedTuple):
     pass
 
 
+class Shown(NamedTuple):
+    pass
+
+
 SPEC = "spec.json"  # the JobSpec's file name in the run's private directory
 
 
@@ -300,11 +328,13 @@ Message = (
     | MainRows
     | Bars
     | Trained
+    | Display
     | Result
     | Failed
     | Unsendable
     | Job
     | AllJoined
+    | Shown
     | Task
     | Interrupt
     | Probe

@@ -13,6 +13,7 @@ from typing import Any
 
 from nbddp.wire import payload
 from nbddp.wire.culprit import locate_unpicklable
+from nbddp.worker import rich
 from nbddp.worker.context import is_main
 
 _MISSING = object()
@@ -78,10 +79,7 @@ def run_cell(
                 value, name, failure, payload.check_picklable
             )
     if shown is not None and payload.check_picklable(shown) is not None:
-        outcome.skipped["(the cell's last value)"] = (
-            "the cell's last value",
-            "it cannot be pickled",
-        )
+        rich.show_value(shown)  # shown from here, as its MIME bundle, since it cannot travel
         shown = None
     outcome.shown = shown
     return outcome

@@ -26,10 +26,11 @@ from nbddp.wire.messages import (
     Job,
     JobSpec,
     Joined,
+    Shown,
     Trained,
 )
 from nbddp.wire.transport import Connection
-from nbddp.worker import integrations, live, sync_check
+from nbddp.worker import integrations, live, rich, sync_check
 from nbddp.worker.reaping import become_subreaper, end_descendants
 from nbddp.worker.report import ChannelSink, error_report
 from nbddp.worker.setup import (
@@ -63,12 +64,15 @@ def main(directory: str) -> int:
 
 
 def _listen(conn: Connection, joined: threading.Event) -> None:
-    """The kernel's word after the job: ``AllJoined``. Its end closing means it is gone, and
-    so is this rank, at once, with its whole process group."""
+    """The kernel's word after the job: ``AllJoined``, ``Shown``. Its end closing means it is
+    gone, and so is this rank, at once, with its whole process group."""
     try:
         while True:
-            if isinstance(conn.recv().message, AllJoined):
+            message = conn.recv().message
+            if isinstance(message, AllJoined):
                 joined.set()
+            elif isinstance(message, Shown):
+                rich.shown()
     except (EOFError, OSError):
         pass
     kill_own_group()
@@ -88,6 +92,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
     try:
         payload.install_sources(job.sources)
         context = prepare(spec, rank, conn)
+        integrations.install(spec.output)  # before unpickling: see install()
         with installed(context):
             fn, args, kwargs = loads_call(job.call, job.shared, fds, context.device)
             del job  # the pickled call is not kept while fn runs
@@ -95,13 +100,14 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
             conn.send(Joined(rank))
             buffer = live.LiveBuffer(ChannelSink(conn, rank))
             live.install(buffer)
-            integrations.install(spec.output)
+            rich.configure(conn.send, rank, spec.output)
             checked = context.world_size > 1  # "did DDP happen?" means something
             if checked:
                 sync_check.install()
             try:
                 value = fn(*args, **kwargs)
             finally:
+                rich.finish()  # figures left open go to the cell, before the outcome
                 buffer.close()  # every logged row reaches the kernel before the outcome
     except SystemExit as exc:
         if exc.code not in (None, 0):

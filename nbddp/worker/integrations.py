@@ -38,7 +38,7 @@ from types import ModuleType
 from typing import Any
 
 from nbddp.errors import NbddpWarning
-from nbddp.worker import launchers, live
+from nbddp.worker import launchers, live, rich
 from nbddp.worker.context import rank
 
 Patch = Callable[[ModuleType], None]
@@ -109,7 +109,9 @@ def set_output(output: str) -> None:
 
 def install(output: str) -> None:
     """Hook the libraries into this rank's panel (``output``: whose output is shown), and
-    guard the launchers that must not start inside a rank (``launchers``)."""
+    guard the launchers that must not start inside a rank (``launchers``). Called before the
+    job is unpickled: a function it refers to (IPython's ``display``) resolves to the hooked
+    one."""
     set_output(output)
     launchers.install()
     patches: dict[str, Patch] = {
@@ -120,6 +122,7 @@ def install(output: str) -> None:
         "pytorch_lightning.trainer.trainer": _patch_lightning,
         "accelerate.accelerator": _patch_accelerate,
         "torch.distributed.launcher.api": launchers.guard_elastic,
+        "IPython.core.display_functions": rich.install(),  # display() into the cell
     }
     for name, patch in patches.items():
         if name in sys.modules:  # imported already (a library the job itself imported)

@@ -34,10 +34,11 @@ from nbddp.wire.messages import (
     Names,
     Probe,
     RankStatus,
+    Shown,
     Task,
 )
 from nbddp.wire.transport import Connection, Frame
-from nbddp.worker import collectives, integrations, live, world
+from nbddp.worker import collectives, integrations, live, rich, world
 from nbddp.worker.context import device
 from nbddp.worker.report import ChannelSink, error_report
 from nbddp.worker.setup import (
@@ -121,6 +122,7 @@ def _run_task(
     buffer = live.LiveBuffer(ChannelSink(conn, rank))
     live.install(buffer)
     integrations.set_output(task.output)
+    rich.configure(conn.send, rank, task.output)
     report = None
     value = None
     try:
@@ -137,6 +139,7 @@ def _run_task(
                 value = call_in(namespace, fn, args, kwargs)
         finally:
             busy.task = None
+            rich.finish()  # figures left open go to the cell, before the outcome
             buffer.close()  # every logged row reaches the kernel before the outcome
     except SystemExit as exc:  # the session goes on: exit(0) ends the task, not the rank
         if exc.code not in (None, 0):
@@ -204,6 +207,8 @@ def _listen(
                     busy.interrupt(task)
                 case Probe():
                     conn.send(_status(rank, busy, spec))
+                case Shown():
+                    rich.shown()
     except (EOFError, OSError):
         pass
     kill_own_group()
