@@ -88,11 +88,14 @@ class _Publisher:
                     self.count += 1
                     transient.setdefault("display_id", f"nbddp-{uuid.uuid4().hex}")
                     self.since_clear.append(transient["display_id"])
-            flush_output()  # what the rank printed before goes before, in the cell
-            _shown.clear()
-            self.send(Display(self.rank, data, metadata, transient, update))
-            if not update:  # what this rank prints next must come after it
-                _shown.wait(SHOWN_WAIT)
+            self._send(Display(self.rank, data, metadata, transient, update))
+
+    def _send(self, message: Display) -> None:
+        flush_output()  # what the rank printed before goes before, in the cell
+        _shown.clear()
+        self.send(message)
+        if not message.update:  # what this rank prints next must come after it
+            _shown.wait(SHOWN_WAIT)
 
     def _replacing(self) -> str | None:
         """After ``clear_output(wait=True)``: the output the next one replaces (the others
@@ -118,12 +121,12 @@ class _Publisher:
 
     def _blank(self, display_ids: list[str]) -> None:
         for display_id in display_ids:
-            self.send(Display(self.rank, {"text/plain": ""}, {}, {"display_id": display_id}, True))
+            self._send(Display(self.rank, {"text/plain": ""}, {}, {"display_id": display_id}, True))
 
     def _drop(self) -> None:
         self.dropped += 1
         if self.dropped == 1:
-            self.send(
+            self._send(
                 Display(
                     self.rank,
                     note(
