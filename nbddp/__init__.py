@@ -1,7 +1,7 @@
 """nbddp: run PyTorch DistributedDataParallel training from a Jupyter notebook.
 
 Kernel side: :func:`notebook_launch`, :func:`spawn` (``mp.spawn``'s shape), :class:`Run`,
-:func:`last_run`, :class:`Session`, :class:`RayCluster`, :func:`set_cluster`.
+:func:`last_run`, :class:`Session`, :class:`RayCluster`, :func:`set_cluster`, :func:`export`.
 Worker side (inside the launched function; each also works outside a launch as rank 0 of 1):
 :func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
 :func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`,
@@ -40,6 +40,7 @@ __all__ = [
     "WorkerError",
     "barrier",
     "device",
+    "export",
     "is_main",
     "last_run",
     "local_rank",
@@ -60,6 +61,7 @@ __version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from nbddp.clusters.ray.cluster import RayCluster, set_cluster
+    from nbddp.exporting import export
     from nbddp.launch import notebook_launch, spawn
     from nbddp.run import Run, last_run
     from nbddp.sessions.session import Session
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
 _KERNEL_SIDE = {
     "notebook_launch": "launch",
     "spawn": "launch",
+    "export": "exporting",
     "Run": "run",
     "last_run": "run",
     "RayCluster": "clusters.ray.cluster",

@@ -22,6 +22,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbddp.errors import NbddpError, SerializationError, WorkerError
+from nbddp.exporting import export_cell
 from nbddp.launch import launch_plan
 from nbddp.notebook import cell as cells
 from nbddp.plan import BACKENDS, DEVICE_OPTIONS, DISPLAYS, OUTPUTS, LaunchPlan, make_plan
@@ -85,6 +86,14 @@ class DDPMagics(Magics):
         default=None,
         help="ranks per node (default: its GPUs on cuda, 1 on cpu)",
     )
+    @argument(
+        "--export",
+        type=str,
+        default=None,
+        metavar="PATH",
+        help="write the cell as a torchrun script (PATH.py, its data beside it, a Slurm "
+        "batch file) instead of running it",
+    )
     @cell_magic
     def ddp(self, line: str, cell: str) -> Any:
         """Run this cell as a DistributedDataParallel job, one rank per GPU (or -n gloo ranks
@@ -98,6 +107,8 @@ class DDPMagics(Magics):
         args = parse_argstring(self.ddp, line)
         if args.out is not None and args.no_out:
             raise UsageError("%%ddp: use either --out NAME,NAME or --no-out, not both.")
+        if args.export is not None:
+            return self._export(line, cell, args)
         if args.session:
             return self._run_in_session(line, cell, args)
         try:
@@ -119,6 +130,43 @@ class DDPMagics(Magics):
         if plan.in_kernel:
             return self._run_in_kernel(cell, plan)
         return self._run_on_workers(line, cell, plan, args)
+
+    def _export(self, line: str, cell: str, args: Any) -> None:
+        """``%%ddp --export PATH``: write the cell as a script; nothing runs."""
+        if args.session:
+            raise UsageError(
+                "%%ddp --export writes a script that starts its own ranks; a --session cell "
+                "depends on the session's ranks and their names. Drop --session or --export."
+            )
+        num_workers: int | str = "auto" if args.num_workers is None else args.num_workers
+        nodes = 1 if args.nodes is None else args.nodes
+        if args.workers_per_node is not None:
+            total = nodes * args.workers_per_node
+            if args.num_workers not in (None, total):
+                raise UsageError(
+                    f"%%ddp --export: -n {args.num_workers} is not --nodes {nodes} x "
+                    f"--workers-per-node {args.workers_per_node}; give one or the other."
+                )
+            num_workers = total
+        _, filename, names = self._prepare_cell(line, cell)
+        out_names = self._out_names(args, names, filename, held=frozenset())
+        inputs = self._inputs(names, held=frozenset(), to=args.export)
+        assert self.shell is not None
+        try:
+            written, command = export_cell(
+                args.export,
+                source=cell,
+                label=f"In[{self.shell.execution_count}]",
+                inputs=inputs,
+                out_names=out_names,
+                shows_last=cells.shows_last_value(cell),
+                num_workers=num_workers,
+                device=args.device,
+                nodes=nodes,
+            )
+        except ValueError as exc:
+            raise UsageError(f"%%ddp --export: {exc}") from None
+        print(f"Wrote {', '.join(written)}.\nRun it with: {command}")
 
     def _run_in_kernel(self, cell: str, plan: LaunchPlan) -> None:
         shell = self.shell
@@ -233,13 +281,15 @@ class DDPMagics(Magics):
             )
         return out_names
 
-    def _inputs(self, names: cells.CellNames, held: frozenset[str]) -> dict[str, Any]:
+    def _inputs(
+        self, names: cells.CellNames, held: frozenset[str], to: str = "the workers"
+    ) -> dict[str, Any]:
         """The notebook's values of the names the cell reads (those the ranks hold resolve
         there and are not shipped)."""
         assert self.shell is not None
         user_ns = self.shell.user_ns
         inputs = {n: user_ns[n] for n in sorted(names.reads - held) if n in user_ns}
-        return _travelling_inputs(inputs, rebound=set(names.writes))
+        return _travelling_inputs(inputs, rebound=set(names.writes), to=to)
 
     def _bring_back(self, outcome: CellOutcome, source: str, filename: str, session: bool) -> Any:
         """Put the cell's names into the notebook. A name that cannot travel is unbound
@@ -306,7 +356,9 @@ def _its_their(names: list[str]) -> str:
     return "its" if len(names) == 1 else "their"
 
 
-def _travelling_inputs(inputs: dict[str, Any], rebound: set[str]) -> dict[str, Any]:
+def _travelling_inputs(
+    inputs: dict[str, Any], rebound: set[str], to: str = "the workers"
+) -> dict[str, Any]:
     """Check every input once; name the first that cannot travel. A name the cell binds
     itself may not need its old value: drop it instead (a real need shows as NameError)."""
     kept = {}
@@ -316,9 +368,7 @@ def _travelling_inputs(inputs: dict[str, Any], rebound: set[str]) -> dict[str, A
             kept[name] = value
         elif name not in rebound:
             path, reason = locate_unpicklable(value, name, failure, payload.check_picklable)
-            raise SerializationError(
-                f"the %%ddp cell's input {name!r} to the workers", path, reason
-            )
+            raise SerializationError(f"the %%ddp cell's input {name!r} to {to}", path, reason)
     return kept
 
 
