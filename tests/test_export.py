@@ -324,3 +324,25 @@ def test_a_tensor_on_the_notebooks_gpu_arrives_on_each_ranks_gpu(tmp_path):
     import pickle
 
     assert pickle.loads((tmp_path / "gpu.result.pkl").read_bytes()) == ["cuda:0", 6.0]
+
+
+def inits_its_own_group(world: int) -> list:
+    """As the PyTorch tutorials do: set the rendezvous, then ask for the process group."""
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", "12355"
+    dist.init_process_group("gloo", rank=0, world_size=world)
+    return [dist.get_rank(), dist.get_world_size()]
+
+
+def test_the_functions_own_init_process_group_joins_the_scripts_world(tmp_path):
+    script = Path(nbddp.export(inits_its_own_group, tmp_path / "own.py", (1,), device="cpu")[0])
+    done = subprocess.run([PYTHON, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    import pickle
+
+    assert pickle.loads((tmp_path / "own.result.pkl").read_bytes()) == [0, 1]
+    nbddp.export(inits_its_own_group, script, (4,), device="cpu")
+    done = subprocess.run([PYTHON, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "already joined the process group as rank 0 of 1" in done.stderr
