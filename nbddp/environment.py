@@ -140,6 +140,22 @@ def torchrun_env(place: Place, master_addr: str, master_port: int, run_id: str) 
     }
 
 
+def store_socket(host: str = "127.0.0.1") -> socket.socket:
+    """The rendezvous store's socket, bound to a free port and listening before any rank
+    starts; rank 0 serves the store on it (``TCPStore(master_listen_fd=...)``). Ranks that
+    connect first wait in its backlog: nobody is refused (torch's store client backs off for
+    0.3-1 s when refused), and no other process can take the port between its choice and
+    its use."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

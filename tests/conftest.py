@@ -186,17 +186,13 @@ class Kernel:
 
 def _sweep_after(pid: int) -> None:
     """A killed kernel cannot remove its runs' directories; the next launch's sweep does.
-    Sweep now (they are young), and check that the sweep finds every one of them."""
+    Sweep now, and check that the sweep finds every one of them."""
     from nbddp.local import rundir
 
     left = glob.glob(os.path.join(tempfile.gettempdir(), f"nbddp-{pid}-*"))
     if not left:
         return
-    young, rundir._YOUNG = rundir._YOUNG, 0.0
-    try:
-        rundir.sweep_stale_dirs()
-    finally:
-        rundir._YOUNG = young
+    rundir.sweep_stale_dirs()
     assert not [p for p in left if os.path.exists(p)], "a dead kernel's directory was not swept"
 
 

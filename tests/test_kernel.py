@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import signal
+import tempfile
 import time
 
 import psutil
@@ -120,6 +123,29 @@ def test_workers_end_themselves_when_the_kernel_is_killed(kernel_factory):
         assert run_status(doomed) == "running"
         doomed.manager.signal_kernel(signal.SIGKILL)
         assert _wait_gone(workers, timeout=10) == []
+    finally:
+        doomed.shutdown()
+
+
+def test_a_killed_kernels_run_directory_goes_with_the_next_launch_at_once(kernel_factory, kernel):
+    doomed = kernel_factory()
+    try:
+        doomed.run("import nbddp, time")
+        out, reply = doomed.run(
+            "def wait_forever():\n    time.sleep(600)\n"
+            "run = nbddp.notebook_launch(wait_forever, num_workers=2, device='cpu', block=False)\n"
+        )
+        assert reply["status"] == "ok", out
+        left = glob.glob(os.path.join(tempfile.gettempdir(), f"nbddp-{doomed.pid}-*"))
+        assert left, "the doomed kernel's run has no directory: the test proves nothing"
+        doomed.manager.signal_kernel(signal.SIGKILL)
+        assert _wait_gone([doomed.pid], timeout=10) == []
+        assert all(os.path.exists(p) for p in left)  # nobody swept it yet
+        out, reply = kernel.run(  # seconds after the other kernel began its run
+            "print(nbddp.notebook_launch(lambda: 7, num_workers=2, device='cpu', display='none'))"
+        )
+        assert reply["status"] == "ok" and "7" in out, out
+        assert not [p for p in left if os.path.exists(p)], "the dead kernel's directory stayed"
     finally:
         doomed.shutdown()
 

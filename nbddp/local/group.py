@@ -20,6 +20,7 @@ import dataclasses
 import os
 import queue
 import selectors
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -61,8 +62,10 @@ class RankGroup:
         starter: Starter,
         output: Output,
         target: Writable | None = None,
+        store: socket.socket | None = None,
     ) -> None:
         self.ranks = tuple(ranks)
+        self._store = store  # the rendezvous store's listening socket, for rank 0 (owned)
         self._envs = envs
         self._spec = spec
         self._call: Call | None = call
@@ -285,9 +288,13 @@ class RankGroup:
             return
         self._connections[conn] = rank
         call = self._call
-        self._send(conn, Job(call.stream, self._sources, call.layout), fds=call.fds)
+        store = self._store if rank == 0 else None
+        fds = [*call.fds, store.fileno()] if store is not None else call.fds
+        self._send(conn, Job(call.stream, self._sources, call.layout, store is not None), fds=fds)
         if conn not in self._connections:
             return
+        if store is not None:
+            self._close_store()  # rank 0 serves it now
         self._sent_job.add(rank)
         if len(self._sent_job) == len(self.ranks):
             self._drop_call()  # every rank has it: nobody here keeps a copy
@@ -312,6 +319,11 @@ class RankGroup:
         self._pump.drain(rank)
         code = self._workers[rank].exitcode()
         self._judge.event(Ended(rank, code, self._pump.stderr_tail(rank)))
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def _drop_call(self) -> None:
         if self._call is not None:
@@ -345,3 +357,4 @@ class RankGroup:
             self._dir.remove()
             self._dir = None
         self._drop_call()
+        self._close_store()

@@ -17,10 +17,10 @@ from nbddp import interrupts
 from nbddp.backend import Finish, Outcome, RunEvents, Writable
 from nbddp.environment import (
     device_indices,
-    free_port,
     interface_of,
     new_run_id,
     single_node,
+    store_socket,
     worker_env,
 )
 from nbddp.errors import our_bug, warn_user
@@ -39,25 +39,29 @@ def local_group(
     target: Writable | None = None,
     session: bool = False,
 ) -> RankGroup:
-    """The ranks of ``plan`` on this machine, ready to start: their torchrun environment (a
-    fresh rendezvous port, the loopback interface) and their job spec."""
+    """The ranks of ``plan`` on this machine, ready to start: their torchrun environment (the
+    port of a fresh, listening rendezvous socket; the loopback interface) and their job spec."""
     starter = starter or default_starter()
     starter.warm_up()
     run_id = new_run_id()
-    port = free_port()
     loopback = interface_of("127.0.0.1")
-    envs = {
-        rank: worker_env(
-            single_node(rank, plan.world_size),
-            port,
-            run_id,
-            device=plan.device,
-            gpus=plan.gpus,
-            user_env=plan.env,
-            interface=loopback,  # one machine: every rank on the loopback interface
-        )
-        for rank in range(plan.world_size)
-    }
+    store = store_socket()  # listening before any rank starts: see store_socket
+    try:
+        envs = {
+            rank: worker_env(
+                single_node(rank, plan.world_size),
+                store.getsockname()[1],
+                run_id,
+                device=plan.device,
+                gpus=plan.gpus,
+                user_env=plan.env,
+                interface=loopback,  # one machine: every rank on the loopback interface
+            )
+            for rank in range(plan.world_size)
+        }
+    except BaseException:
+        store.close()
+        raise
     spec = job_spec(
         plan,
         run_id,
@@ -66,7 +70,9 @@ def local_group(
         sys_path=tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path),
         cwd=os.getcwd(),
     )
-    return RankGroup(range(plan.world_size), envs, spec, call, starter, plan.output, target)
+    return RankGroup(
+        range(plan.world_size), envs, spec, call, starter, plan.output, target, store=store
+    )
 
 
 class LocalWorkers:

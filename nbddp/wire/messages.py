@@ -228,6 +228,7 @@ class Job(NamedTuple):
     call: bytes
     sources: dict[str, tuple[Any, ...]]
     shared: SharedLayout | None
+    store: bool = False  # rank 0's: the frame's last descriptor is the store's listening socket
 
 
 class Task(NamedTuple):

@@ -57,7 +57,7 @@ def main(directory: str) -> int:
         joined = threading.Event()
         code = _run(spec, rank, conn, joined)
         if code == 0:
-            joined.wait()  # a peer still joining needs us (rank 0 hosts the rendezvous store)
+            joined.wait()  # a peer still joining needs us (rank 0 serves the rendezvous store)
     end_descendants()
     flush_output()
     os._exit(code)  # no interpreter shutdown: a user thread or child cannot hold the run
@@ -87,6 +87,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
     del frame  # the job is held by ``job`` alone, and dropped before fn runs
     if not isinstance(job, Job):
         return 1
+    store = fds.pop() if job.store and fds else None
     threading.Thread(target=_listen, args=(conn, joined), daemon=True).start()
     early_exit = checked = False
     try:
@@ -96,7 +97,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
         with installed(context):
             fn, args, kwargs = loads_call(job.call, job.shared, fds, context.device)
             del job  # the pickled call is not kept while fn runs
-            join_process_group(spec, rank, context.world_size)
+            join_process_group(spec, rank, context.world_size, store)
             conn.send(Joined(rank))
             buffer = live.LiveBuffer(ChannelSink(conn, rank))
             live.install(buffer)

@@ -84,6 +84,9 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     frame = conn.recv()
     if not isinstance(frame.message, Job):
         return 1
+    store = frame.fds.pop() if frame.message.store and frame.fds else None
+    for fd in frame.fds:  # a session's job carries no call
+        os.close(fd)
     payload.install_sources(frame.message.sources)
     busy = _Busy()
     tasks: queue.SimpleQueue[Frame] = queue.SimpleQueue()
@@ -92,7 +95,7 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     ).start()
     try:
         context = prepare(spec, rank, conn)
-        join_process_group(spec, rank, context.world_size)
+        join_process_group(spec, rank, context.world_size, store)
     except BaseException as exc:
         conn.send(Failed(rank, error_report(exc)))
         return 1

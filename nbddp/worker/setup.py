@@ -67,12 +67,38 @@ def prepare(spec: JobSpec, rank: int, conn: Connection) -> Any:
     )
 
 
-def join_process_group(spec: JobSpec, rank: int, world_size: int) -> None:
+def join_process_group(
+    spec: JobSpec, rank: int, world_size: int, store_socket: int | None = None
+) -> None:
     """The default group, on the rendezvous of the torchrun environment nbddp set for this
-    rank; from now on the rank's own ``init_process_group`` is answered from it (world.py)."""
+    rank; from now on the rank's own ``init_process_group`` is answered from it (world.py).
+
+    ``store_socket`` (rank 0's): the rendezvous store's socket, bound and listening since
+    before any rank started, so a peer that knocks early waits in its backlog instead of being
+    refused (torch's store client then backs off for 0.3-1 s, a stall one launch in a few
+    paid). Rank 0 serves the store on it; every rank builds what ``env://`` would build."""
     from nbddp.worker import world
 
-    world.join(spec.backend, rank, world_size)
+    world.join(spec.backend, rank, world_size, _rendezvous_store(rank, world_size, store_socket))
+
+
+def _rendezvous_store(rank: int, world_size: int, listening: int | None) -> Any:
+    """The store of the torchrun environment's rendezvous; None (``env://`` binds the port)
+    for a rank 0 that was handed no socket."""
+    if listening is None and rank == 0:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=listening is not None,
+        timeout=default_pg_timeout,
+        multi_tenant=True,
+        master_listen_fd=listening,
+    )
 
 
 def flush_output() -> None:

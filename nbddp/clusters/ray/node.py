@@ -29,7 +29,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from nbddp.environment import Place, free_port, interface_of, worker_env
+from nbddp.environment import Place, interface_of, store_socket, worker_env
 from nbddp.local.forkserver import WarmStarter
 from nbddp.local.group import RankGroup
 from nbddp.wire import segment as shared
@@ -118,6 +118,7 @@ class NodeHelper:
         self._starter = WarmStarter()
         self._starter.prestart()
         self._runs: dict[str, _NodeRun] = {}
+        self._stores: dict[str, socket.socket] = {}  # bound for a launch, until its rank 0 starts
         import ray
 
         self._address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
@@ -135,8 +136,13 @@ class NodeHelper:
             "pid": os.getpid(),
         }
 
-    def free_port(self) -> int:
-        return free_port(host="")  # free on every interface: the ranks of other nodes come
+    def store_port(self, run_id: str) -> int:
+        """Bind and listen on the rendezvous store's socket for ``run_id`` (node rank 0's
+        job): its port, which rank 0 serves once started here; until then the ranks of every
+        node that knock wait in its backlog (``store_socket``)."""
+        store = self._stores[run_id] = store_socket(host="")  # the ranks of other nodes come
+        port: int = store.getsockname()[1]
+        return port
 
     def missing_modules(self, names: list[str]) -> list[str]:
         """The modules the call needs by name that this node cannot import."""
@@ -182,7 +188,14 @@ class NodeHelper:
         # the kernel's paths mean nothing here: the node's own (Ray's working_dir included)
         spec = dataclasses.replace(spec, sys_path=tuple(sys.path), cwd=os.getcwd())
         group = RankGroup(
-            [p.rank for p in places], envs, spec, call, self._starter, output, forwarder
+            [p.rank for p in places],
+            envs,
+            spec,
+            call,
+            self._starter,
+            output,
+            forwarder,
+            store=self._stores.pop(run_id, None),
         )
         forwarder.group = group
         self._starter.warm_up()
@@ -221,6 +234,9 @@ class NodeHelper:
     def stop(self, run_id: str) -> None:
         """End the node's ranks of this launch and everything they started; returns when
         they are gone."""
+        store = self._stores.pop(run_id, None)
+        if store is not None:  # the launch ended before its ranks started here
+            store.close()
         run = self._runs.pop(run_id, None)
         if run is not None:
             run.group.stop()

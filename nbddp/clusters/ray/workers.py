@@ -10,7 +10,8 @@ Per launch:
    how to ship it, a different torch a warning;
 3. the call goes to Ray's object store once (its tensors' bytes out of band) and every node
    starts its ranks with the torchrun environment of their place: ``MASTER_ADDR`` is node rank
-   0's address, ``MASTER_PORT`` a port found free there;
+   0's address, ``MASTER_PORT`` the port of a socket node 0's helper bound and listens on
+   (rank 0 serves the rendezvous store on it: ranks of other nodes that come first wait);
 4. one thread long-polls every node (``ray.wait`` on one poll per node) and feeds what they
    forward to the same :class:`~nbddp.rules.referee.Referee` a local launch has; a helper that dies
    (its node lost) is a failure of that node's ranks;
@@ -99,7 +100,8 @@ class RayWorkers:
         call = self._call
         assert call is not None
         self._check_nodes(ray, call, infos)
-        port = ray.get(self._helpers[0].free_port.remote())
+        port = ray.get(self._helpers[0].store_port.remote(self._run_id))
+        self._started.append(0)  # its socket is closed by its stop, whatever happens next
         per_node = plan.workers_per_node
         indices = tuple(r % per_node for r in range(plan.world_size))
         spec = job_spec(plan, self._run_id, indices, self._session)  # paths: the node's own
@@ -132,11 +134,8 @@ class RayWorkers:
                     tuple(range(per_node)),
                 )
             )
-            self._started.append(node_rank)
-            if node_rank == 0:
-                # rank 0 hosts the rendezvous store: a peer that knocks before it listens
-                # backs off for up to a second (torch's TCPStore), so node 0 goes first
-                ray.get(starts[0])
+            if node_rank:
+                self._started.append(node_rank)  # all at once: the store listens already
         for pids in ray.get(starts):
             self.pids.update(pids)
         self._call = None  # every node has it: the kernel keeps no copy
