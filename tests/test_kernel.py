@@ -10,6 +10,7 @@ import tempfile
 import time
 
 import psutil
+import pytest
 from conftest import is_warm_helper, running
 
 
@@ -103,6 +104,30 @@ def test_interrupt_stops_every_worker_and_the_next_launch_works(kernel):
     assert _wait_gone(workers, timeout=5) == []
     out, reply = kernel.run("print(nbddp.notebook_launch(lambda: 7, num_workers=2, device='cpu'))")
     assert reply["status"] == "ok" and "7" in out
+
+
+@pytest.mark.parametrize("context", ["forkserver", "spawn"])
+def test_a_notebook_dataset_in_dataloader_workers_of_any_start_method(kernel, context):
+    kernel.run(
+        "from torch.utils.data import Dataset, DataLoader\n"
+        "class Pair:\n"
+        "    def __init__(self, x):\n        self.x = x\n"
+        "class Squares(Dataset):\n"
+        "    def __len__(self):\n        return 8\n"
+        "    def __getitem__(self, i):\n        return Pair(i * i)\n"
+        "def as_sum(batch):\n    return Pair(sum(p.x for p in batch))\n"
+    )
+    out, reply = kernel.run(
+        "def load(context):\n"
+        "    loader = DataLoader(Squares(), batch_size=4, num_workers=2, collate_fn=as_sum,\n"
+        "                        multiprocessing_context=context)\n"
+        "    return [type(b).__name__ for b in loader], sum(b.x for b in loader)\n"
+        f"print(nbddp.notebook_launch(load, ({context!r},), num_workers=2, device='cpu',\n"
+        "                            display='none', return_all=True))\n",
+        timeout=240,
+    )
+    assert reply["status"] == "ok", out
+    assert "[(['Pair', 'Pair'], 140), (['Pair', 'Pair'], 140)]" in out, out
 
 
 def test_workers_end_themselves_when_the_kernel_is_killed(kernel_factory):

@@ -13,6 +13,7 @@ from nbddp.errors import SerializationError
 from nbddp.wire import payload
 from nbddp.wire.messages import DeviceName, JobSpec, Result, Unsendable
 from nbddp.wire.transport import Connection
+from nbddp.worker import notebook_code
 
 
 def kill_own_group() -> None:
@@ -51,6 +52,7 @@ def prepare(spec: JobSpec, rank: int, conn: Connection) -> Any:
     world.intercept()  # before the job is unpickled (see world.py)
     _adopt_kernel_paths(spec)
     _adopt_kernel_logging(spec)
+    notebook_code.install()  # the rank's DataLoader workers get notebook classes, any start method
     if spec.device == "cuda":
         device = torch.device("cuda", spec.device_index[rank])
         torch.cuda.set_device(device)
