@@ -13,6 +13,8 @@ import psutil
 import pytest
 from conftest import is_warm_helper, running
 
+from nbddp.local import rundir
+
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
@@ -165,7 +167,10 @@ def test_a_killed_kernels_run_directory_goes_with_the_next_launch_at_once(kernel
         assert left, "the doomed kernel's run has no directory: the test proves nothing"
         doomed.manager.signal_kernel(signal.SIGKILL)
         assert _wait_gone([doomed.pid], timeout=10) == []
-        assert all(os.path.exists(p) for p in left)  # nobody swept it yet
+        deadline = time.monotonic() + 10  # its other threads may still be exiting, holding it
+        while not all(rundir._lock_is_free(p) for p in left) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(os.path.exists(p) for p in left)  # dead, and nobody swept it yet
         out, reply = kernel.run(  # seconds after the other kernel began its run
             "print(nbddp.notebook_launch(lambda: 7, num_workers=2, device='cpu', display='none'))"
         )
