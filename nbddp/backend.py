@@ -41,6 +41,7 @@ class Outcome(NamedTuple):
     value: Any = None
     error: BaseException | None = None
     warning: str | None = None  # a run that succeeded, but not as one DDP job (rules/sync.py)
+    exit_warnings: tuple[str, ...] = ()  # what went wrong in the ranks' exit handlers
 
 
 class RunEvents(Protocol):
@@ -67,6 +68,9 @@ class RunEvents(Protocol):
 
     def display(self, message: Display) -> None:
         """A rank's rich output (a MIME bundle), for the launching cell."""
+
+    def finishing(self, ranks: frozenset[int]) -> None:
+        """The ranks that reported their result and run their exit handlers now."""
 
 
 Finish = Callable[[Outcome], None]

@@ -19,6 +19,8 @@ from nbddp.clusters.ray.cluster import resolve as resolve_cluster
 from nbddp.environment import check_user_env, notebook_logging
 from nbddp.wire.messages import JobSpec, Output
 
+EXIT_TIMEOUT = JobSpec.exit_timeout  # seconds, unless NBDDP_EXIT_TIMEOUT says otherwise
+
 DeviceOption = Literal["auto", "cuda", "cpu"]
 Device = Literal["cuda", "cpu"]
 # torch.distributed's backend; not the execution seam, which is ``backend.Backend``
@@ -49,6 +51,7 @@ class LaunchPlan:
     cluster: Any = None  # a RayCluster, or None: this machine
     nodes: int = 1
     workers_per_node: int = 0  # on one machine: world_size
+    exit_timeout: float = EXIT_TIMEOUT  # a rank's exit work's bound (NBDDP_EXIT_TIMEOUT)
 
     @property
     def in_kernel(self) -> bool:
@@ -139,7 +142,28 @@ def make_plan(
         cluster=on_cluster,
         nodes=n_nodes,
         workers_per_node=per_node,
+        exit_timeout=exit_timeout(),
     )
+
+
+def exit_timeout() -> float:
+    """Seconds a rank that ended normally has for its exit handlers and the processes it
+    started (``NBDDP_EXIT_TIMEOUT`` in the kernel's environment; 30 s, as torchrun gives its
+    workers between SIGTERM and SIGKILL)."""
+    text = os.environ.get("NBDDP_EXIT_TIMEOUT")
+    if text is None:
+        return EXIT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise ValueError(
+            f"NBDDP_EXIT_TIMEOUT={text!r} in the environment must be a number of seconds >= 0 "
+            f"(how long a rank's exit handlers may run; the default is {EXIT_TIMEOUT:g}): "
+            "fix it with os.environ['NBDDP_EXIT_TIMEOUT'] = '30', or del it."
+        )
+    return seconds
 
 
 def with_run_options(
@@ -288,4 +312,5 @@ def job_spec(
         output=plan.output,
         logging=notebook_logging(),
         session=session,
+        exit_timeout=plan.exit_timeout,
     )

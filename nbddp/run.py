@@ -50,6 +50,7 @@ class Run:
             self._state.rich = RichOutputs(plan.output)
         self._display: LiveDisplay | None = None
         self._outcome: Outcome | None = None
+        self._unwarned: tuple[str, ...] = ()  # the outcome's warnings, until result() warns
         self._done = threading.Event()
         self._finish_lock = threading.Lock()
         self._warned = False
@@ -106,6 +107,10 @@ class Run:
                 "to keep waiting, or stop() to end it."
             )
         assert self._outcome is not None
+        with self._finish_lock:
+            unwarned, self._unwarned = self._unwarned, ()
+        for message in unwarned:  # once, in the thread that asks (the notebook's cell)
+            warn_always(message)
         if self._outcome.error is not None:
             raise self._outcome.error.with_traceback(None)  # fresh each time: no frames pile up
         if self._outcome.status == "stopped":
@@ -139,6 +144,7 @@ class Run:
                     self._display.close()
             finally:
                 self._outcome = outcome
+                self._unwarned = outcome.exit_warnings
                 self._done.set()
 
     def __repr__(self) -> str:

@@ -35,6 +35,8 @@ def header_html(s: RunSnapshot) -> str:
     )
     if s.ended and s.status == "succeeded":
         line += f" · finished in {s.elapsed:.1f} s"
+    if s.finishing_line:
+        line += f" · {s.finishing_line}"
     if s.error_line:
         line += (
             f'<div style="color:{_COLORS["failed"]};margin-top:2px">'

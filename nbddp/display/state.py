@@ -56,6 +56,15 @@ class RunSnapshot(NamedTuple):
     output_dropped: int
     nodes: int = 1
     warning: str = ""  # the run succeeded, but its ranks did not train one model together
+    finishing: tuple[int, ...] = ()  # ranks that reported and run their exit handlers
+
+    @property
+    def finishing_line(self) -> str:
+        """``finishing exit handlers (ranks 0, 1)`` while the run waits on them, else ''."""
+        if self.ended or not self.finishing:
+            return ""
+        ranks = ", ".join(str(r) for r in self.finishing)
+        return f"finishing exit handlers (rank{'s' if len(self.finishing) > 1 else ''} {ranks})"
 
     @property
     def where(self) -> str:
@@ -87,6 +96,7 @@ class RunState:
         self.history = History()
         self.metrics = MetricsAggregator(world_size, self.history)
         self._output = LineWindow(OUTPUT_LINES)
+        self._finishing: frozenset[int] = frozenset()
         self.panel_output = False  # the live widget shows the ranks' output
         self.rich: RichOutputs | None = None  # where the ranks' rich output goes (the cell)
         self.version = 0
@@ -149,6 +159,11 @@ class RunState:
         if self.rich is not None:  # published at once: not part of what the panel shows
             self.rich.show(message)
 
+    def finishing(self, ranks: frozenset[int]) -> None:
+        with self.changed:
+            self._finishing = ranks
+            self._bump()
+
     def add_output(self, text: str) -> None:
         with self.changed:
             self._output.feed(text)
@@ -189,6 +204,7 @@ class RunState:
                 output_dropped=self._output.dropped,
                 nodes=self.nodes,
                 warning=self.warning,
+                finishing=tuple(sorted(self._finishing)),
             )
 
     def history_rows(self) -> list[dict[str, Any]]:

@@ -58,6 +58,8 @@ def status_line(s: RunSnapshot) -> str:
     metrics = _metrics(s)
     if metrics:
         parts.append(metrics)
+    if s.finishing_line:
+        parts.append(s.finishing_line)
     return " | ".join(parts) if len(parts) > 1 else ""
 
 

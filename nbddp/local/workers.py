@@ -93,7 +93,12 @@ class LocalWorkers:
         plan = self.plan
         group = self._group = local_group(plan, self._call, self._starter, events.output)
         self._referee = Referee(
-            plan.world_size, plan.return_all, plan.timeout, events, broadcast=group.send_all
+            plan.world_size,
+            plan.return_all,
+            plan.timeout,
+            events,
+            broadcast=group.send_all,
+            exit_timeout=plan.exit_timeout,
         )
         supervisor = threading.Thread(
             target=self._supervise, args=(finish,), name="nbddp-supervisor", daemon=True

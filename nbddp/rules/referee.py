@@ -9,6 +9,13 @@ them joined the process group, and gives the verdict:
 * the ``timeout`` ends it with :class:`~nbddp.errors.LaunchTimeout`;
 * when every rank exited after reporting, rank 0's value (or every rank's) is the result.
 
+A rank that reported its result runs its exit work before it exits (``worker/exiting.py``):
+the run shows it as finishing, and goes on until it exited; the ``timeout`` no longer applies
+then, as the rank bounds that work itself (``exit_timeout``). What went wrong there comes as
+the outcome's ``exit_warnings``. A rank still there ``EXIT_GRACE`` seconds past its bound (its
+watchdog could not run: a handler that holds the GIL in native code) is given up on: the run
+succeeds with a warning, and the teardown kills it.
+
 The same referee judges ranks on this machine (fed by a ``RankGroup`` on the loop's thread)
 and on a cluster (fed by what the nodes forward). What it shares with a session task's judge
 is in :mod:`nbddp.rules.judging`.
@@ -21,9 +28,21 @@ from collections.abc import Callable
 from typing import Any
 
 from nbddp.backend import Outcome, RunEvents
-from nbddp.errors import LaunchTimeout
+from nbddp.errors import LaunchTimeout, describe_exit
 from nbddp.rules.judging import SETTLE, Clock, Judging
-from nbddp.wire.messages import AllJoined, Failed, Joined, Result, Trained, Unsendable
+from nbddp.wire.messages import (
+    AllJoined,
+    ExitReport,
+    Failed,
+    JobSpec,
+    Joined,
+    Result,
+    Trained,
+    Unsendable,
+)
+
+# Seconds past a rank's own exit bound before the kernel stops waiting for it.
+EXIT_GRACE = 5.0
 
 
 class Referee(Judging):
@@ -41,12 +60,16 @@ class Referee(Judging):
         started_groups: int = 1,
         node_of: Callable[[int], str | None] = lambda rank: None,
         clock: Clock = time.monotonic,
+        exit_timeout: float = JobSpec.exit_timeout,
     ) -> None:
         super().__init__(world_size, return_all, timeout, events, node_of, clock)
         self._broadcast = broadcast
         self._groups_to_start = started_groups
         self._settled: float | None = None
         self._joined: set[int] = set()
+        self._exit_timeout = exit_timeout
+        self._finishing: dict[int, float] = {}  # rank -> when its exit work began
+        self.exit_warnings: list[str] = []
 
     def _message(self, rank: int, message: Any, buffers: list[Any]) -> None:
         match message:
@@ -58,12 +81,23 @@ class Referee(Judging):
                 self.tracker.trained(rank, check)
             case Result(stream=stream, early_exit=early):
                 self.tracker.result(rank, stream, buffers, early)
+                self._finishing[rank] = self._clock()
+                self._events.finishing(frozenset(self._finishing))
+            case ExitReport(problems=problems):
+                self.exit_warnings += [f"rank {rank}'s exit: {p}." for p in problems]
             case Failed(report=report):
                 self.tracker.raised(rank, report, self._node_of(rank))
             case Unsendable(path=path, reason=reason):
                 self.tracker.unsendable(rank, path, reason)
 
     def _ended(self, rank: int, code: int | None, stderr_tail: str) -> None:
+        if self._finishing.pop(rank, None) is not None:
+            self._events.finishing(frozenset(self._finishing))
+            if code != 0:
+                self.exit_warnings.append(
+                    f"rank {rank} {describe_exit(code)} while it ran its exit handlers, after "
+                    "its result: what they were writing may be incomplete."
+                )
         self.tracker.ended(rank, code, stderr_tail, self._node_of(rank))
 
     def _started(self) -> None:
@@ -72,7 +106,17 @@ class Referee(Judging):
             self._events.started()
 
     def deadline(self) -> float | None:
+        if self.tracker.all_returned:  # the timeout is fn's: the exit work has its own bound
+            times = [t for t in (self._settled, self._given_up) if t is not None]
+            return min(times) if times else None
         return self._earliest(self._settled)
+
+    @property
+    def _given_up(self) -> float | None:
+        """When the kernel stops waiting for the ranks still finishing their exit work."""
+        if not self._finishing or not self.tracker.all_returned:
+            return None
+        return max(self._finishing.values()) + self._exit_timeout + EXIT_GRACE
 
     def verdict(self) -> Outcome | None:
         tracker = self.tracker
@@ -84,8 +128,23 @@ class Referee(Judging):
         if self.stop_requested:
             return Outcome("stopped")
         if len(tracker.exited) == self.world_size:
-            return tracker.collect()
+            return self._collect()
+        if tracker.all_returned:  # exit work, bounded by the ranks (and _given_up)
+            given_up = self._given_up
+            if given_up is not None and self._clock() >= given_up:
+                for rank in sorted(self._finishing):
+                    self.exit_warnings.append(
+                        f"rank {rank} was still running its exit work "
+                        f"{self._exit_timeout + EXIT_GRACE:g} s after its result "
+                        f"(NBDDP_EXIT_TIMEOUT={self._exit_timeout:g} s, plus {EXIT_GRACE:g}): "
+                        "killed. An exit handler may hold the GIL in native code."
+                    )
+                return self._collect()
+            return None
         if self._timed_out():
             assert self._timeout is not None
             return Outcome("failed", error=LaunchTimeout(self._timeout))
         return None
+
+    def _collect(self) -> Outcome:
+        return self.tracker.collect()._replace(exit_warnings=tuple(self.exit_warnings))

@@ -9,26 +9,35 @@ tasks (one that dies while idle ends the session's ranks). When a task's ranks a
 came back with their collectives out of step (``rules/in_step.py``), the loop ends, which
 tears the ranks down, and only then is the task's outcome reported: a user who sees the error
 never waits on a leftover process.
+
+Closing idle ranks is their normal end: each is sent ``Close`` and runs its exit work (exit
+handlers, then the processes it started get SIGTERM; ``worker/exiting.py``), bounded by the
+plan's ``exit_timeout``, and the loop ends once every rank exited (or ``EXIT_GRACE`` seconds
+past the bound). A running task, a failure or a lost kernel end them at once, as before.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from nbddp.backend import Outcome, RunEvents, Writable
-from nbddp.errors import NbddpError, describe_exit, our_bug
+from nbddp.errors import NbddpError, describe_exit, our_bug, warn_user
 from nbddp.local.processes import Starter
 from nbddp.local.workers import local_group
 from nbddp.plan import LaunchPlan
 from nbddp.rules.judging import write_out
+from nbddp.rules.referee import EXIT_GRACE
 from nbddp.rules.task_referee import TaskReferee, TaskVerdict, restart_cause, trigger
 from nbddp.rules.tracker import RunTracker
 from nbddp.wire.call import Call
 from nbddp.wire.messages import (
+    Close,
     DeviceName,
     Ended,
+    ExitReport,
     Failed,
     GroupCount,
     Interrupt,
@@ -63,6 +72,9 @@ class _Dispatcher:
         self.left_over: tuple[TaskVerdict, Finish] | None = None  # reported after teardown
         self.died_idle: Ended | None = None
         self.closing = False
+        self.leaving: float | None = None  # closing idle ranks: when to stop waiting for them
+        self.exited: set[int] = set()
+        self.exit_warnings: list[str] = []
 
     def event(self, event: RankEvent) -> None:
         ranks = self._ranks
@@ -86,6 +98,17 @@ class _Dispatcher:
             case Printed(text=text):  # a node's ranks' output (cluster sessions)
                 write_out(self.task.output if self.task is not None else None, text)
                 return
+            case Received(rank=rank, message=ExitReport(problems=problems)):
+                self.exit_warnings += [f"rank {rank}'s exit: {p}." for p in problems]
+                return
+            case Ended(rank=rank, code=code) if self.leaving is not None:
+                self.exited.add(rank)
+                if code != 0:
+                    self.exit_warnings.append(
+                        f"rank {rank} {describe_exit(code)} while it ran its exit handlers: "
+                        "what they were writing may be incomplete."
+                    )
+                return
         if not self.ready.is_set():  # failing before every rank joined: the start failed
             match event:
                 case Received(rank=rank, message=Failed(report=report)):
@@ -102,6 +125,8 @@ class _Dispatcher:
             self.died_idle = Ended(event.ranks[0], None, f"lost with its node {event.node}")
 
     def deadline(self) -> float | None:
+        if self.leaving is not None:
+            return self.leaving
         return self.task.deadline() if self.task is not None else None
 
     def verdict(self) -> str | None:
@@ -119,6 +144,17 @@ class _Dispatcher:
             return "start failed"
         if self.died_idle is not None:
             return "died"
+        if self.leaving is not None:
+            world = range(self._ranks.world_size)
+            if len(self.exited) < len(world) and time.monotonic() < self.leaving:
+                return None
+            for rank in (r for r in world if r not in self.exited):
+                self.exit_warnings.append(
+                    f"rank {rank} was still running its exit work {EXIT_GRACE:g} s past its "
+                    "bound (NBDDP_EXIT_TIMEOUT): killed. An exit handler may hold the GIL in "
+                    "native code."
+                )
+            return "closed"
         return "closed" if self.closing else None
 
 
@@ -205,6 +241,7 @@ class SessionRanks:
         self.failure: NbddpError | None = None  # our own bug that ended them, if one did
         self.io: RanksIO = io or ranks_io(plan)
         self._on_cluster = plan.cluster is not None
+        self._exit_timeout = plan.exit_timeout
         self._per_node = plan.workers_per_node
         self._dispatcher = _Dispatcher(self)
         self._loop = threading.Thread(target=self._serve, name="nbddp-session", daemon=True)
@@ -246,14 +283,25 @@ class SessionRanks:
         return self.io.nodes
 
     def close(self) -> None:
-        """End the ranks (a running task is reported as stopped). Idempotent."""
-        self._dispatcher.closing = True
+        """End the ranks. Idle ones end normally: each runs its exit handlers (bounded; what
+        went wrong there is a warning). A running task is reported as stopped, its ranks
+        ended at once. Idempotent."""
+        dispatcher = self._dispatcher
+        on_loop = threading.current_thread() is self._loop
+        if self.alive and dispatcher.task is None and dispatcher.leaving is None and not on_loop:
+            dispatcher.leaving = time.monotonic() + self._exit_timeout + EXIT_GRACE
+            self.io.send_all(Close())
+            self._loop.join()  # until every rank exited (or the bound passed)
+        dispatcher.closing = True
         self.io.stop()
-        if self._loop.is_alive() and threading.current_thread() is not self._loop:
+        if self._loop.is_alive() and not on_loop:
             self._loop.join()
         self.io.teardown()
         if self.ended is None:
             self.ended = "closed"
+        warnings, dispatcher.exit_warnings = dispatcher.exit_warnings, []
+        for message in warnings:
+            warn_user(message)
 
     def _serve(self) -> None:
         dispatcher = self._dispatcher

@@ -27,6 +27,7 @@ Worker -> kernel, in this order on each rank's connection:
                                       buffers); ``early_exit``: it called sys.exit(0)
     Failed(rank, report)              fn raised; the rank exits non-zero next
     Unsendable(rank, path, reason)    the return value cannot travel back
+    ExitReport(rank, problems)        after ``Result``: what went wrong in its exit work
 
 Kernel -> worker:
 
@@ -56,6 +57,7 @@ count of collectives changed ``Issued``.
                                       collectives the rank issued on each of its process
                                       groups (None: it cannot count them), to tell whether
                                       they are in step
+    Close()                           the session ends: each rank runs its exit work, exits
 
 Messages are NamedTuples: pickled in a few bytes, immutable, and matched by class in the
 supervisor (``match message: case Rows(rank, first, blocks): ...``).
@@ -166,6 +168,11 @@ class Result(NamedTuple):
     early_exit: bool = False
 
 
+class ExitReport(NamedTuple):
+    rank: int
+    problems: tuple[str, ...]  # one sentence each
+
+
 class Failed(NamedTuple):
     rank: int
     report: ErrorReport
@@ -256,6 +263,9 @@ class RankStatus(NamedTuple):
     device_memory: int | None  # bytes PyTorch holds on the rank's GPU (None on the CPU)
 
 
+class Close(NamedTuple): ...
+
+
 class Names(NamedTuple):
     rank: int
     names: tuple[str, ...]
@@ -307,6 +317,7 @@ class JobSpec:
     output: str = "rank0"  # whose output is shown: other ranks' progress bars stay silent
     logging: tuple[int, str, str | None] | None = None  # the notebook's level, format, datefmt
     session: bool = False  # the ranks stay up and run Tasks (worker/session.py)
+    exit_timeout: float = 30.0  # the bound of its exit work (torchrun's SIGTERM->SIGKILL)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -333,6 +344,7 @@ Message = (
     | Result
     | Failed
     | Unsendable
+    | ExitReport
     | Job
     | AllJoined
     | Shown
@@ -342,6 +354,7 @@ Message = (
     | RankStatus
     | Names
     | Issued
+    | Close
 )
 
 

@@ -5,6 +5,10 @@ run's private directory (``spec.json``: the channel's address and key), its rank
 rendezvous from the torchrun environment, and the job itself (the pickled call) from the
 kernel over the channel, after the handshake.
 
+A rank whose ``fn`` returned (or called ``sys.exit(0)``) sends its result and then runs what a
+Python program runs when it ends (``worker/exiting.py``: exit handlers, then the processes it
+started get SIGTERM), within ``JobSpec.exit_timeout``; a rank that failed ends at once.
+
 A rank never outlives the kernel: a daemon thread blocks on the channel, and when the kernel
 end closes (kernel exit, restart, SIGKILL) the rank kills its own process group at once. It is
 the reaper of its descendants' orphans and ends all of them before it exits, so nothing it
@@ -31,6 +35,7 @@ from nbddp.wire.messages import (
 )
 from nbddp.wire.transport import Connection
 from nbddp.worker import integrations, live, rich, sync_check
+from nbddp.worker.exiting import exit_normally, skip_import_finalizers
 from nbddp.worker.reaping import become_subreaper, end_descendants
 from nbddp.worker.report import ChannelSink, error_report
 from nbddp.worker.setup import (
@@ -58,6 +63,8 @@ def main(directory: str) -> int:
         code = _run(spec, rank, conn, joined)
         if code == 0:
             joined.wait()  # a peer still joining needs us (rank 0 serves the rendezvous store)
+    if code == 0:  # ended normally: exit handlers and the processes it started, bounded
+        exit_normally(conn, rank, spec.exit_timeout)
     end_descendants()
     flush_output()
     os._exit(code)  # no interpreter shutdown: a user thread or child cannot hold the run
@@ -105,6 +112,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
             checked = context.world_size > 1  # "did DDP happen?" means something
             if checked:
                 sync_check.install()
+            skip_import_finalizers()
             try:
                 value = fn(*args, **kwargs)
             finally:
@@ -123,6 +131,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
     check = sync_check.report() if checked else None
     if check is not None:
         conn.send(Trained(rank, check))
-    # The process group is not destroyed: the rank exits right after (``os._exit``) and the OS
-    # closes its connections, while gloo's ``destroy_process_group`` alone costs ~20 ms.
+    # The process group is not destroyed: the rank exits right after its exit work
+    # (``os._exit``) and the OS closes its connections, while gloo's ``destroy_process_group``
+    # alone costs ~20 ms.
     return 0 if send_result(conn, rank, value, early_exit, rank == 0 or spec.return_all) else 1

@@ -9,7 +9,9 @@ collective waiting for a peer) sees it only when the call returns; the kernel re
 that do not come back, and ranks that came back with their collectives out of step (each
 reports how many it issued per process group, ``worker/collectives.py``).
 
-When the kernel end closes, the rank kills its own process group at once, as a launch's does.
+When the kernel closes the session (``Close``, while no task runs), the rank leaves as a
+launched rank does after its result: its exit handlers run (``worker/exiting.py``). When the
+kernel end closes, the rank kills its own process group at once, as a launch's does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from nbddp.wire import payload
 from nbddp.wire.call import loads_call
 from nbddp.wire.messages import (
+    Close,
     Failed,
     Interrupt,
     Job,
@@ -40,6 +43,7 @@ from nbddp.wire.messages import (
 from nbddp.wire.transport import Connection, Frame
 from nbddp.worker import collectives, integrations, live, rich, world
 from nbddp.worker.context import device
+from nbddp.worker.exiting import skip_import_finalizers
 from nbddp.worker.report import ChannelSink, error_report
 from nbddp.worker.setup import (
     flush_output,
@@ -78,7 +82,8 @@ class _Busy:
 
 
 def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
-    """Join the process group, then run tasks until the kernel closes the channel."""
+    """Join the process group, then run tasks until the kernel closes the session (0: the
+    rank then leaves as a launched one does after its result) or its channel."""
     from nbddp.worker.context import installed
 
     frame = conn.recv()
@@ -89,7 +94,7 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
         os.close(fd)
     payload.install_sources(frame.message.sources)
     busy = _Busy()
-    tasks: queue.SimpleQueue[Frame] = queue.SimpleQueue()
+    tasks: queue.SimpleQueue[Frame | None] = queue.SimpleQueue()  # None: the session closes
     threading.Thread(
         target=_listen, args=(conn, rank, tasks, busy, spec), name="nbddp-session", daemon=True
     ).start()
@@ -101,13 +106,17 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
         return 1
     conn.send(Joined(rank))
     integrations.install(spec.output)
+    skip_import_finalizers()
     signal.signal(signal.SIGINT, busy.on_sigint)
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     reporter = collectives.Reporter(rank)
     with installed(context):
         while True:
             try:
-                _run_task(tasks.get(), rank, conn, namespace, busy, reporter)
+                task = tasks.get()
+                if task is None:
+                    return 0
+                _run_task(task, rank, conn, namespace, busy, reporter)
             except KeyboardInterrupt:  # came after the task ended: nothing left to stop
                 continue
 
@@ -196,7 +205,7 @@ def _of_a_module(fn: types.FunctionType) -> bool:
 def _listen(
     conn: Connection,
     rank: int,
-    tasks: queue.SimpleQueue[Frame],
+    tasks: queue.SimpleQueue[Frame | None],
     busy: _Busy,
     spec: JobSpec,
 ) -> None:
@@ -206,6 +215,8 @@ def _listen(
             match frame.message:
                 case Task():
                     tasks.put(frame)
+                case Close():
+                    tasks.put(None)
                 case Interrupt(task=task):
                     busy.interrupt(task)
                 case Probe():

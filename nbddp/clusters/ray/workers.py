@@ -79,6 +79,7 @@ class RayWorkers:
             broadcast=self.send_all,
             started_groups=plan.nodes,
             node_of=lambda rank: self.nodes[rank // plan.workers_per_node],
+            exit_timeout=plan.exit_timeout,
         )
         threading.Thread(
             target=self._supervise, args=(finish,), name="nbddp-ray-supervisor", daemon=True
