@@ -105,11 +105,49 @@ def _notebook(cell: str) -> str:
     )
 
 
+RICH_CELL = """\
+import time
+import nbddp
+from IPython.display import HTML
+
+def train(steps=60):
+    import matplotlib.pyplot as plt
+    display(HTML("<b class='from-rank'>hello from rank %d</b>" % nbddp.rank()))
+    for step in nbddp.progress(range(steps), desc="batch"):
+        time.sleep(0.1)
+        nbddp.log(loss=1.0 / (1 + step))
+    plt.plot([1 / (1 + s) for s in range(steps)])
+    plt.title("loss")
+    plt.show()
+    return "trained"
+
+nbddp.notebook_launch(train, num_workers=2, device="cpu")
+"""
+
+
+@pytest.fixture(params=["with widgets"])
+def jupyterlab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    yield from _jupyterlab(tmp_path, widgets=request.param == "with widgets")
+
+
 @pytest.fixture
-def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+def jupyterlab_without_widgets(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """JupyterLab whose widgets extension is off: what a frontend without a widget manager
+    (Kaggle's "Loading widget...", VS Code without its renderer) amounts to."""
+    yield from _jupyterlab(tmp_path, widgets=False)
+
+
+def _jupyterlab(tmp_path: Path, widgets: bool) -> Iterator[tuple[str, Path]]:
     port, token = free_port(), secrets.token_hex(16)
     (tmp_path / "live.ipynb").write_text(_notebook(CELL))
     (tmp_path / "hf.ipynb").write_text(_notebook(HF_CELL))
+    (tmp_path / "rich.ipynb").write_text(_notebook(RICH_CELL))
+    if not widgets:
+        labconfig = tmp_path / "config" / "labconfig"
+        labconfig.mkdir(parents=True)
+        (labconfig / "page_config.json").write_text(
+            json.dumps({"disabledExtensions": {"@jupyter-widgets/jupyterlab-manager": True}})
+        )
     settings = tmp_path / "lab-settings"  # no "get Jupyter news?" prompt over the panel
     notification = settings / "@jupyterlab" / "apputils-extension"
     notification.mkdir(parents=True)
@@ -187,6 +225,44 @@ def _rising_progress(page, seconds: float) -> list[int]:
 def _keep(shot: Path, name: str) -> None:
     if os.environ.get("NBDDP_SCREENSHOT"):
         shutil.copy(shot, Path(os.environ["NBDDP_SCREENSHOT"]) / name)
+
+
+@pytest.mark.slow
+def test_the_panel_and_rich_output_without_the_widgets_extension(
+    jupyterlab_without_widgets: tuple[str, Path],
+) -> None:
+    """No widget manager: the panel still updates live (an HTML output updated in place), and
+    the ranks' HTML and matplotlib figure render in the cell."""
+    reason = _missing()
+    if reason:
+        pytest.skip(f"browser test cannot run here: {reason}")
+    from playwright.sync_api import sync_playwright
+
+    url, folder = jupyterlab_without_widgets
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            _open_and_run(page, url.format(notebook="rich.ipynb"))
+            seen = _rising_progress(page, 40)
+            assert len(set(seen)) >= 3 and seen == sorted(seen), f"progress did not rise: {seen}"
+            assert "averaged over 2 ranks" in page.inner_text(".nbddp-panel")
+            assert page.locator("text=Loading widget").count() == 0
+            assert page.inner_text(".jp-OutputArea-output b.from-rank") == "hello from rank 0"
+            shot = folder / "live-panel-no-widgets.png"
+            page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
+            _keep(shot, "live-panel-no-widgets.png")
+
+            page.wait_for_selector(".nbddp-summary", timeout=60_000)
+            figure = page.wait_for_selector(".jp-OutputArea-output img", timeout=30_000)
+            assert figure.evaluate("img => img.naturalWidth") > 100  # a decoded PNG
+            shot = folder / "rich-output.png"
+            page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
+            _keep(shot, "rich-output.png")
+        finally:
+            browser.close()
 
 
 @pytest.mark.slow

@@ -164,10 +164,13 @@ def _bar_values(messages: list[dict]) -> set[str]:
 
 
 def _widget_values(messages: list[dict]) -> list[str]:
+    """The live panel's HTML, each time it was drawn (an output updated by its display id)."""
     return [
-        m["content"]["data"]["state"]["value"]
+        m["content"]["data"]["text/html"]
         for m in messages
-        if m["msg_type"] == "comm_msg" and "value" in m["content"]["data"].get("state", {})
+        if m["msg_type"] in ("display_data", "update_display_data")
+        and m["content"].get("transient", {}).get("display_id", "").startswith("nbddp-panel")
+        and "nbddp-panel" in m["content"]["data"].get("text/html", "")
     ]
 
 
@@ -185,7 +188,11 @@ def test_widget_shows_bars_reaching_total_and_averaged_metrics(kernel):
     )
     assert reply["status"] == "ok", out
     shown = [m for m in messages if m["msg_type"] == "display_data"]
-    assert "application/vnd.jupyter.widget-view+json" in shown[0]["content"]["data"]
+    # one HTML output, updated in place: every frontend renders it, no widget manager needed
+    assert "nbddp-panel" in shown[0]["content"]["data"]["text/html"]
+    assert "application/vnd.jupyter.widget-view+json" not in shown[0]["content"]["data"]
+    assert not [m for m in messages if m["msg_type"] == "comm_open"]  # no widget at all
+    assert "stop: the kernel&#x27;s interrupt button" in shown[0]["content"]["data"]["text/html"]
     values = _widget_values(messages)
     bars = [v for v in values if "nbddp-bar" in v]
     assert any('value="40" max="40"' in v for v in bars)
@@ -257,6 +264,15 @@ def test_background_panel_updates_between_cells_and_its_stop_button_works(kernel
         later += seen
         time.sleep(0.5)
     assert len(_bar_values(later)) >= 3  # the panel kept moving between those cells
+    launching = messages[0]["parent_header"]["msg_id"]
+    panel_updates = [
+        m
+        for m in later
+        if m["msg_type"] == "update_display_data" and "nbddp-panel" in str(m["content"])
+    ]
+    assert panel_updates and all(  # filed under the cell that launched, not the one running
+        m["parent_header"]["msg_id"] == launching for m in panel_updates
+    )
 
     kernel.client.session.send(
         kernel.client.shell_channel.socket,
@@ -280,7 +296,7 @@ def test_fallback_shows_the_same_panel(kernel):
     out, reply = kernel.run("nbddp.notebook_launch(short, num_workers=1)", messages=messages)
     assert reply["status"] == "ok", out
     shown = next(m for m in messages if m["msg_type"] == "display_data")["content"]["data"]
-    assert "application/vnd.jupyter.widget-view+json" in shown
+    assert "nbddp-panel" in shown["text/html"]
     final = [m for m in messages if m["msg_type"] == "update_display_data"][-1]["content"]
     html = final["data"]["text/html"]
     assert "1 × cpu" in html and "nbddp-metrics" in html and "step 4" in html

@@ -1,10 +1,12 @@
-"""What the user sees of a run: one state model (``state.py``), two renderers (``widget.py``
-for notebooks, ``text.py`` elsewhere), and :class:`LiveDisplay`, which renders a snapshot of
-the state whenever it changed, at most ``MAX_RATE`` times a second, and once more at the end.
+"""What the user sees of a run: one state model (``state.py``), two renderers (``panel.py``,
+an HTML output updated in place, for notebooks; ``text.py`` elsewhere), and
+:class:`LiveDisplay`, which renders a snapshot of the state whenever it changed, at most
+``MAX_RATE`` times a second (or the view's own ``max_rate``), and once more at the end.
 
 A view that fails does not fail silently: the first error is reported once as an
 ``NbddpWarning`` (with its traceback under ``NBDDP_DEBUG=1``) and the text view takes over,
-as tqdm's notebook bar falls back to text.
+as tqdm's notebook bar falls back to text. ``display='widget'`` names the panel (its
+name from when it was made of widgets).
 """
 
 from __future__ import annotations
@@ -30,14 +32,13 @@ class View(Protocol):
 
 
 def resolve_mode(mode: str) -> str:
-    """'auto' is the widget inside a Jupyter kernel with ipywidgets, text otherwise."""
+    """'auto' is the live panel inside a Jupyter kernel, text elsewhere."""
     if mode != "auto":
         return mode
     try:
         from IPython import get_ipython
 
         shell = get_ipython()
-        import ipywidgets  # noqa: F401
     except ImportError:
         return "text"
     return "widget" if getattr(shell, "kernel", None) is not None else "text"
@@ -55,10 +56,10 @@ class LiveDisplay:
         self._failed: View | None = None
         if self.mode == "widget":
             try:
-                from nbddp.display.widget import WidgetView
+                from nbddp.display.panel import PanelView
 
-                self._view = WidgetView(state.snapshot(), stop, blocking)
-            except Exception:  # no usable widget frontend: text is always possible
+                self._view = PanelView(state.snapshot(), stop, blocking)
+            except Exception:  # not in a Jupyter kernel: text is always possible
                 self.mode = "text"
         if self.mode == "text":
             self._view = TextView()
@@ -79,7 +80,8 @@ class LiveDisplay:
                     return
                 self._rendered = state.version
             self._render(state.snapshot())
-            self._closed.wait(1.0 / MAX_RATE)  # the throttle, cut short by close()
+            rate = getattr(self._view, "max_rate", MAX_RATE)
+            self._closed.wait(1.0 / rate)  # the throttle, cut short by close()
 
     def _due(self) -> bool:
         return self.state.version != self._rendered or self._closing

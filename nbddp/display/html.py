@@ -154,6 +154,15 @@ def output_html(s: RunSnapshot) -> str:
     )
 
 
+def panel_html(s: RunSnapshot, hint: str) -> str:
+    """The live panel: the summary's parts, and how to stop the run."""
+    parts = [header_html(s), bars_html(s), metrics_html(s), chart_svg(s), output_html(s)]
+    body = "".join(f"<div style='margin:4px 0'>{p}</div>" for p in parts if p)
+    hint_line = f'<div style="{_FONT}color:#9ca3af">{html.escape(hint)}</div>'
+    style = "border-left:3px solid #2563eb;padding-left:8px"
+    return f'<div class="nbddp-panel" style="{style}">{body}{hint_line}</div>'
+
+
 def summary_html(s: RunSnapshot) -> str:
     """The whole panel as static HTML: what a saved notebook keeps."""
     parts = [header_html(s), bars_html(s), metrics_html(s), chart_svg(s), output_html(s)]

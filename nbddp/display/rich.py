@@ -22,14 +22,44 @@ from nbddp.wire.messages import MAX_DISPLAY_BYTES, MAX_DISPLAYS, Display
 _LABEL_STYLE = "font-family:monospace;font-size:12px;color:#6b7280"
 
 
+class CellPublisher:
+    """Display data for the cell running now, published later from any thread: ipykernel
+    files a thread's output under the cell that is running then, unless told which."""
+
+    def __init__(self) -> None:
+        self.shell = _shell()
+        self._publisher = getattr(self.shell, "display_pub", None)
+        header = getattr(self._publisher, "parent_header", None)
+        self._header = dict(header) if isinstance(header, dict) else None
+
+    @property
+    def in_kernel(self) -> bool:
+        return self._publisher is not None
+
+    def publish(
+        self,
+        data: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+        transient: dict[str, Any] | None = None,
+        update: bool = False,
+    ) -> None:
+        publisher: Any = self._publisher
+        token = None
+        if self._header is not None and hasattr(publisher, "set_thread_parent"):
+            token = publisher.set_thread_parent(self._header)  # this cell's, on any thread
+        try:
+            publisher.publish(
+                data=data, metadata=metadata or {}, transient=transient or {}, update=update
+            )
+        finally:
+            if token is not None:
+                publisher.reset_thread_parent(token)
+
+
 class RichOutputs:
     def __init__(self, output: str) -> None:
         self._labelled = output == "all"
-        self._shell = _shell()
-        publisher = getattr(self._shell, "display_pub", None)
-        self._publisher = publisher
-        header = getattr(publisher, "parent_header", None)
-        self._header = dict(header) if isinstance(header, dict) else None
+        self._cell = CellPublisher()
         self._stdout = sys.stdout
         self._counts: dict[int, int] = {}
 
@@ -43,35 +73,15 @@ class RichOutputs:
                 return
         if sum(len(str(v)) for v in message.data.values()) > MAX_DISPLAY_BYTES + 4096:
             return
-        if self._publisher is None:
+        if not self._cell.in_kernel:
             self._print(message)
             return
         if self._labelled and not message.update:
             label = f"[rank {rank}]"
-            self._publish(
-                {"text/plain": label, "text/html": f'<div style="{_LABEL_STYLE}">{label}</div>'},
-                {},
-                {},
-                False,
+            self._cell.publish(
+                {"text/plain": label, "text/html": f'<div style="{_LABEL_STYLE}">{label}</div>'}
             )
-        self._publish(message.data, message.metadata, message.transient, message.update)
-
-    def _publish(
-        self,
-        data: dict[str, Any],
-        metadata: dict[str, Any],
-        transient: dict[str, Any],
-        update: bool,
-    ) -> None:
-        publisher: Any = self._publisher
-        token = None
-        if self._header is not None and hasattr(publisher, "set_thread_parent"):
-            token = publisher.set_thread_parent(self._header)  # this cell's, on any thread
-        try:
-            publisher.publish(data=data, metadata=metadata, transient=transient, update=update)
-        finally:
-            if token is not None:
-                publisher.reset_thread_parent(token)
+        self._cell.publish(message.data, message.metadata, message.transient, message.update)
 
     def _print(self, message: Display) -> None:
         text = message.data.get("text/plain")

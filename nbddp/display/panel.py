@@ -1,0 +1,107 @@
+"""The live panel in a notebook: one HTML output, updated in place by its display id, turned
+into the static summary when the run ends.
+
+An HTML output updated by ``update_display_data`` is what every Jupyter frontend renders:
+JupyterLab and Notebook with or without the widgets extension, VS Code, Colab, Kaggle, and a
+headless run (nbclient, papermill), which applies the updates to the saved notebook, so the
+file ends with the summary. No widget manager is needed for the panel to show, so a frontend
+that cannot render widgets ("Loading widget...") still shows the run live.
+
+Widgets are used only for what HTML cannot do, and only where they can work: a background run
+(``block=False``) gets a Stop button, shown when ipywidgets is installed, below the panel, and
+blanked when the run ends; the panel also says ``run.stop()`` for frontends without widgets. A
+blocking run has no button: the cell is busy, the kernel's interrupt (■) stops it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from nbddp.display.html import panel_html, summary_html
+from nbddp.display.rich import CellPublisher
+from nbddp.display.state import RunSnapshot
+
+MAX_RATE = 5.0  # renders per second: each sends the whole panel (tens of kB at most)
+
+
+class PanelView:
+    max_rate = MAX_RATE
+
+    def __init__(
+        self, first: RunSnapshot, stop: Callable[[], object] | None, blocking: bool
+    ) -> None:
+        self._cell = CellPublisher()
+        if not self._cell.in_kernel:
+            raise RuntimeError("the panel needs a Jupyter kernel to show in")
+        self._hint = "stop: the kernel's interrupt button (■)" if blocking else "stop: run.stop()"
+        self._id = f"nbddp-panel-{uuid.uuid4().hex}"
+        self._last = ""
+        self._cell.publish(self._bundle(first), transient={"display_id": self._id})
+        self._button: Any = None
+        if not blocking and stop is not None:
+            self._button = _stop_button(stop, self._cell)
+
+    def _bundle(self, s: RunSnapshot) -> dict[str, Any]:
+        markup = panel_html(s, self._hint)
+        self._last = markup
+        return {"text/html": markup, "text/plain": _plain(s)}
+
+    def render(self, s: RunSnapshot) -> None:
+        markup = panel_html(s, self._hint)
+        if markup == self._last:
+            return
+        self._cell.publish(self._bundle(s), transient={"display_id": self._id}, update=True)
+
+    def finish(self, s: RunSnapshot) -> None:
+        try:
+            self._cell.publish(
+                {"text/html": summary_html(s), "text/plain": _plain(s)},
+                transient={"display_id": self._id},
+                update=True,
+            )
+        finally:
+            if self._button is not None:
+                button, self._button = self._button, None
+                button.finish()
+
+
+class _StopButton:
+    """A Stop button below the panel; blanked (its output emptied) when the run ends."""
+
+    def __init__(self, stop: Callable[[], object], cell: CellPublisher) -> None:
+        import ipywidgets as widgets
+
+        self._cell = cell
+        self._widget = widgets.Button(
+            description="Stop",
+            icon="stop",
+            button_style="danger",
+            tooltip="Terminate every worker of this run",
+        )
+        self._widget.on_click(lambda _button: stop())
+        self._id = f"nbddp-stop-{uuid.uuid4().hex}"
+        bundle = self._widget._repr_mimebundle_()
+        bundle["text/plain"] = "(stop: run.stop())"
+        self._cell.publish(bundle, transient={"display_id": self._id})
+
+    def finish(self) -> None:
+        try:
+            self._cell.publish({"text/plain": ""}, transient={"display_id": self._id}, update=True)
+        finally:
+            self._widget.close()
+
+
+def _stop_button(stop: Callable[[], object], cell: CellPublisher) -> _StopButton | None:
+    try:
+        return _StopButton(stop, cell)
+    except Exception:  # no ipywidgets: the panel's hint says run.stop()
+        return None
+
+
+def _plain(s: RunSnapshot) -> str:
+    line = f"nbddp run {s.status} in {s.elapsed:.1f} s"
+    if s.error_line:
+        line += f": {s.error_line}"
+    return line
