@@ -389,6 +389,29 @@ def test_spawn_refuses_bad_options_before_any_process_starts(options, says):
         nbddp.spawn(local_rank_and, **{"args": ("x",), "device": "cpu", **options})
 
 
+@pytest.mark.parametrize(
+    ("kernel_visible", "gpus"), [(None, (0, 1)), (None, (3, 1)), ("5,6,7", (2, 0))]
+)
+def test_a_ranks_local_rank_is_its_cuda_index_so_the_tutorials_gpu_lines_land_right(
+    monkeypatch, kernel_visible, gpus
+):
+    """What makes ``.to(rank)`` / ``device_ids=[rank]`` / ``set_device(rank)`` (with the local
+    rank ``nbddp.spawn`` passes) land on the rank's GPU, checkable without one: every rank sees
+    the launch's GPUs in rank order, and its own is at its local rank."""
+    from nbddp.environment import device_indices, single_node, worker_env
+
+    if kernel_visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", kernel_visible)
+    kernel_names = kernel_visible.split(",") if kernel_visible else [str(i) for i in range(8)]
+    assert device_indices(gpus) == (0, 1)  # rank i's device inside its process: cuda:i
+    for rank in (0, 1):
+        env = worker_env(single_node(rank, 2), 1, "r", device="cuda", gpus=gpus, user_env={})
+        visible = env["CUDA_VISIBLE_DEVICES"].split(",")
+        assert visible[int(env["LOCAL_RANK"])] == kernel_names[gpus[rank]]
+
+
 @pytest.mark.gpu
 def test_the_tutorial_with_its_gpu_lines_lands_each_rank_on_its_gpu():
     """Unchanged GPU lines: ``.to(rank)``, ``device_ids=[rank]``, ``torch.cuda.set_device``."""
