@@ -45,10 +45,15 @@ INHERITED = {
 
 
 @pytest.fixture
-def inside_a_slurm_job(monkeypatch):
+def inside_a_slurm_job(monkeypatch, tmp_path):
     for name, value in INHERITED.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("NBDDP_TEST_KEPT", "kept")
+    srun = tmp_path / "bin" / "srun"  # Slurm's client is installed, as on any Slurm node
+    srun.parent.mkdir()
+    srun.write_text("#!/bin/sh\nexit 1\n")
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{srun.parent}{os.pathsep}{os.environ['PATH']}")
 
 
 def test_no_launcher_variable_reaches_a_ranks_environment(inside_a_slurm_job):
@@ -84,8 +89,17 @@ def test_the_filter_keeps_what_is_no_launchers():
 
 
 def what_lightning_sees() -> dict:
+    import warnings
+
     import lightning.pytorch as pl
     from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.fabric.plugins.environments.slurm import _is_srun_used
+
+    warned = []
+    if nbddp.world_size() > 1:  # a rank: Lightning's srun hint is silenced there
+        with warnings.catch_warnings(record=True) as caught:
+            SLURMEnvironment.detect()
+        warned = [str(w.message) for w in caught]
 
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -98,7 +112,8 @@ def what_lightning_sees() -> dict:
     )
     return {
         "environment": type(trainer.strategy.cluster_environment).__name__,
-        "slurm_detected": SLURMEnvironment.detect(),
+        "slurm_detected": _is_srun_used(),
+        "warned": warned,
         "global_rank": trainer.global_rank,
         "world_size": trainer.world_size,
         "node_rank": trainer.node_rank,
@@ -119,6 +134,7 @@ def test_lightning_in_the_ranks_sees_nbddps_world_not_slurms(inside_a_slurm_job)
     for rank, view in enumerate(seen):
         assert view["environment"] == "TorchElasticEnvironment"
         assert view["slurm_detected"] is False
+        assert view["warned"] == []  # no "srun is available but not used" advice
         assert (view["global_rank"], view["world_size"], view["node_rank"]) == (rank, 2, 0)
         assert view["nbddp"] == (rank, 2)
         assert view["inherited"] == []

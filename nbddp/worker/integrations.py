@@ -258,6 +258,11 @@ def _patch_lightning(module: ModuleType) -> None:
     trainer = module.Trainer
     if getattr(trainer, "_nbddp", False):
         return
+    # On any machine with Slurm installed, Lightning warns at every fit that srun "is not
+    # used" and advises prepending it: a false alarm here, where nbddp started the rank.
+    warnings.filterwarnings(
+        "ignore", message="The `srun` command is available on your system but is not used"
+    )
     package = module.__name__.split(".trainer", 1)[0]  # lightning.pytorch or pytorch_lightning
     logger_base = __import__(f"{package}.loggers.logger", fromlist=["Logger"]).Logger
 
