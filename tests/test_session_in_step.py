@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import textwrap
 import time
+import uuid
 
 import pytest
 import torch
@@ -51,20 +52,24 @@ NB = notebook(
         dist.all_reduce(t, group=group)
         return t.item()
 
-    def all_reduce_cut_short(first_raises_after=0.5, group=None):
+    def all_reduce_cut_short(token, rank_1_raises=True, group=None, marker=None):
         '''The issue's task: rank 1 raises while rank 0 is in dist.all_reduce(torch.ones(1)),
         with the window between torch's issue and its wait widened: the interrupt lands
-        there.'''
+        there. Rank 1 goes on once rank 0 issued (however late each got the task).'''
+        store = dist.distributed_c10d._get_default_store()
         if nbddp.rank() == 1:
-            if first_raises_after is None:
-                time.sleep(60)  # a stop or a timeout interrupts it
-            time.sleep(first_raises_after or 0)
-            raise ValueError("rank 1 fails")
+            store.wait([token])  # rank 0 issued its all_reduce
+            if rank_1_raises:
+                raise ValueError("rank 1 fails")
+            time.sleep(60)  # a stop or a timeout interrupts it
         bound = dist.ProcessGroup.__dict__["allreduce"]  # the method, as pybind11 binds it
         issue = dist.ProcessGroup.allreduce
 
         def issue_then_linger(self, *args, **kwargs):
             work = issue(self, *args, **kwargs)
+            store.set(token, "issued")
+            if marker:
+                open(marker, "w").close()
             time.sleep(60)  # between the issue and work.wait(): the interrupt lands here
             return work
 
@@ -102,8 +107,8 @@ NB = notebook(
             pair = dist.new_group([0, 1])
         return total(pair)
 
-    def cut_short_on_pair():
-        all_reduce_cut_short(group=pair)
+    def cut_short_on_pair(token):
+        all_reduce_cut_short(token, group=pair)
     """
 )
 count, total = NB["count"], NB["total"]
@@ -134,7 +139,7 @@ def test_a_collective_cut_short_by_a_peers_failure_restarts_the_ranks(session):
         old = pids(session)
         started = time.monotonic()
         with pytest.raises(nbddp.WorkerError, match="rank 1 fails") as raised:
-            session.run(NB["all_reduce_cut_short"], **OPTIONS)
+            session.run(NB["all_reduce_cut_short"], (uuid.uuid4().hex,), **OPTIONS)
         assert time.monotonic() - started < GRACE  # not stuck: every rank came back
         assert_right_and_prompt(session)
         message = str(raised.value)
@@ -148,17 +153,21 @@ def test_a_collective_cut_short_by_a_peers_failure_restarts_the_ranks(session):
         assert session.run(count, **OPTIONS) == 1  # fresh ranks, a fresh namespace
 
 
-def test_a_stop_or_a_timeout_that_cuts_a_collective_short_restarts_the_ranks(session):
+def test_a_stop_or_a_timeout_that_cuts_a_collective_short_restarts_the_ranks(session, tmp_path):
     with (
         pytest.warns(nbddp.NbddpWarning, match="restarted: after the timeout, the ranks' coll"),
         pytest.raises(nbddp.LaunchTimeout, match="collectives were left out of step"),
     ):
-        session.run(NB["all_reduce_cut_short"], (None,), timeout=0.5, **OPTIONS)
+        session.run(NB["all_reduce_cut_short"], (uuid.uuid4().hex, False), timeout=3, **OPTIONS)
     assert "after the timeout" in session.status()[0]["restarted"]
     assert_right_and_prompt(session)
 
-    run = session.run(NB["all_reduce_cut_short"], (None,), block=False, **OPTIONS)
-    time.sleep(0.5)
+    marker = tmp_path / "issued"
+    cut_short = NB["all_reduce_cut_short"]
+    args = (uuid.uuid4().hex, False, None, str(marker))
+    run = session.run(cut_short, args, block=False, **OPTIONS)
+    while not marker.exists():  # rank 0 issued its all_reduce
+        time.sleep(0.01)
     run.stop()
     assert run.status == "stopped"
     with pytest.warns(nbddp.NbddpWarning, match="had ended"):  # replaced before the next task
@@ -168,7 +177,7 @@ def test_a_stop_or_a_timeout_that_cuts_a_collective_short_restarts_the_ranks(ses
 def test_a_group_made_with_new_group_counts_too(session):
     session.run(NB["make_pair_group"], **OPTIONS)
     with pytest.raises(nbddp.WorkerError) as raised:
-        session.run(NB["cut_short_on_pair"], **OPTIONS)
+        session.run(NB["cut_short_on_pair"], (uuid.uuid4().hex,), **OPTIONS)
     assert_right_and_prompt(session, "total_on_pair")
     assert "collectives on process group '1': rank 0 2, rank 1 1" in str(raised.value)
 
