@@ -38,7 +38,7 @@ from types import ModuleType
 from typing import Any
 
 from nbddp.errors import NbddpWarning
-from nbddp.worker import launchers, live, rich
+from nbddp.worker import catalyst_engines, launchers, live, rich
 from nbddp.worker.context import rank
 
 Patch = Callable[[ModuleType], None]
@@ -123,6 +123,7 @@ def install(output: str) -> None:
         "accelerate.accelerator": _patch_accelerate,
         "torch.distributed.launcher.api": launchers.guard_elastic,
         "IPython.core.display_functions": rich.install(),  # display() into the cell
+        "catalyst.runners.runner": catalyst_engines.patch,
     }
     for name, patch in patches.items():
         if name in sys.modules:  # imported already (a library the job itself imported)
