@@ -206,14 +206,13 @@ def _patch_runner(runner: Any, legacy: bool) -> None:
 
 
 def _flatten(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """``{"train": {"loss": 0.1}, "_epoch_": {"lr": 0.01}}`` -> ``train/loss``, ``lr``."""
-    from nbddp.worker.integrations import numbers_in
-
-    flat: dict[str, Any] = {}
+    """``{"train": {"loss": 0.1}, "_epoch_": {"lr": 0.01}}`` -> ``train/loss``, ``lr``: the
+    numbers only (Catalyst's metrics are floats; bools and anything else are left out)."""
+    flat: dict[str, float] = {}
     for key, value in metrics.items():
-        if isinstance(value, Mapping):
-            prefix = "" if str(key).startswith("_") else f"{key}/"
-            flat.update({f"{prefix}{name}": v for name, v in value.items()})
-        else:
-            flat[str(key)] = value
-    return numbers_in(flat)
+        inner = value if isinstance(value, Mapping) else {"": value}
+        prefix = "" if str(key).startswith("_") else str(key)
+        for name, number in inner.items():
+            if isinstance(number, (int, float)) and not isinstance(number, bool):
+                flat["/".join(part for part in (prefix, str(name)) if part)] = float(number)
+    return flat
