@@ -138,7 +138,7 @@ def test_an_hf_trainer_fills_history_and_shows_its_bar_in_the_panel():
     assert [(b.n, b.total) for b in bars] == [(16, 16)]
 
 
-def lightning_trainer(root: str) -> list[str]:
+def lightning_trainer(root: str, logger: bool = True) -> list[str]:
     import lightning.pytorch as pl
     import torch
 
@@ -151,6 +151,7 @@ def lightning_trainer(root: str) -> list[str]:
             x, y = batch
             loss = torch.nn.functional.mse_loss(self.layer(x), y) + nbddp.rank()
             self.log("train_loss", loss)
+            self.log("shown_loss", loss, prog_bar=True)  # what Lightning's bar shows
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -165,9 +166,10 @@ def lightning_trainer(root: str) -> list[str]:
         log_every_n_steps=2,
         default_root_dir=root,
         enable_checkpointing=False,
+        logger=logger,
     )
     trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=16))
-    return [type(logger).__name__ for logger in trainer.loggers]
+    return [type(each).__name__ for each in trainer.loggers]
 
 
 @pytest.mark.slow
@@ -180,6 +182,20 @@ def test_a_lightning_trainer_fills_history_averaged_across_ranks():
     # rank 1's loss is rank 0's + 1 (different data aside): the average sits between them
     assert all(row["train_loss"] > 0.5 for row in rows)
     assert bars and bars[0].desc.startswith("Epoch") and bars[0].n == bars[0].total == 8
+
+
+@pytest.mark.slow
+def test_lightning_with_logger_false_shows_what_its_own_bar_shows():
+    """No logger is added (it would move the checkpoint directory): a callback gives the
+    panel the bar's metrics (``prog_bar=True``), one row per batch on every rank."""
+    with tempfile.TemporaryDirectory() as root:
+        loggers, _, history, bars = launch(lightning_trainer, root, False)
+    assert loggers == []
+    rows = [row for row in history if "shown_loss" in row]
+    assert len(rows) == 16  # 2 epochs x 8 batches, averaged across the 2 ranks
+    assert "train_loss" not in rows[0] and "v_num" not in rows[0]  # not on the bar: not shown
+    assert all(row["shown_loss"] > 0.5 for row in rows)  # rank 1's is rank 0's + 1
+    assert bars and bars[0].n == bars[0].total == 8
 
 
 def accelerate_tracker(init_trackers: bool) -> int:

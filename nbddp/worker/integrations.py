@@ -9,7 +9,9 @@ and only when (and if) the library is imported:
 * **Hugging Face** ``Trainer``: a ``TrainerCallback`` whose ``on_log`` logs what the Trainer
   logs (``loss``, ``learning_rate``, ``grad_norm``, ``epoch``, eval metrics).
 * **Lightning** ``Trainer``: a ``Logger`` added to the trainer's loggers, given what
-  ``self.log(...)`` logged (the trainer needs a logger: ``logger=False`` turns logging off).
+  ``self.log(...)`` logged; with ``logger=False``, a ``Callback`` giving what Lightning's own
+  progress bar shows (``trainer.progress_bar_metrics``), since adding a logger would move the
+  trainer's checkpoint directory.
   Lightning's default progress bar becomes its tqdm one (rich's, its default when rich is
   importable, draws only a last frame where output is no terminal).
 * **Accelerate**: a tracker, given what ``accelerator.log(...)`` logs.
@@ -288,9 +290,30 @@ def _patch_lightning(module: ModuleType) -> None:
 
     callbacks = __import__(f"{package}.callbacks", fromlist=["TQDMProgressBar"])
 
+    class NbddpBarMetrics(callbacks.Callback):  # type: ignore[misc, name-defined]
+        """With ``logger=False``: what Lightning's own progress bar shows
+        (``trainer.progress_bar_metrics``, the ``prog_bar=True`` values), after every
+        training batch and validation, on every rank (the same number of rows on each)."""
+
+        def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            self._log(trainer)
+
+        def on_validation_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            if not trainer.sanity_checking:
+                self._log(trainer)
+
+        @staticmethod
+        def _log(trainer: Any) -> None:
+            values = numbers_in(trainer.progress_bar_metrics)
+            values.pop("v_num", None)  # the logger's version, not a metric
+            if values:
+                live.log(values)
+
     def install(self: Any, kwargs: dict[str, Any]) -> None:
         if self.loggers:  # appended: loggers[0] keeps its role (log_dir, v_num, checkpoints)
             self.loggers = [*self.loggers, NbddpLogger()]
+        else:  # logger=False: no logger is added (it would move the checkpoint directory)
+            self.callbacks.append(NbddpBarMetrics())
         bar = self.progress_bar_callback
         chosen = kwargs.get("callbacks") or []
         if isinstance(bar, callbacks.RichProgressBar) and bar not in chosen:
