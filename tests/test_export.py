@@ -346,3 +346,8 @@ def test_the_functions_own_init_process_group_joins_the_scripts_world(tmp_path):
     done = subprocess.run([PYTHON, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "already joined the process group as rank 0 of 1" in done.stderr
+
+
+def test_cluster_slurm_says_how_to_run_on_slurm_today():
+    with pytest.raises(ValueError, match=r"not built yet.*nbddp\.export\(fn, 'train\.py'"):
+        nbddp.notebook_launch(adds, (1.0,), cluster="slurm")

@@ -144,6 +144,13 @@ def resolve(cluster: str | RayCluster | None) -> RayCluster | None:
         address = None if cluster == "ray" else cluster
         with _lock:
             return _by_address.setdefault(cluster, RayCluster(address))
+    if cluster == "slurm":
+        raise ValueError(
+            "cluster='slurm' (ranks on this Slurm allocation) is not built yet. On Slurm now: "
+            "write the launch as a batch job, nbddp.export(fn, 'train.py', num_workers=..., "
+            "nodes=...) then `sbatch train.sbatch` (%%ddp --export train.py for a cell), or "
+            "run `ray start` on the allocation's nodes and use cluster='ray'."
+        )
     raise ValueError(
         f"cluster={cluster!r} is not one of 'ray', 'ray://host:port', a nbddp.RayCluster, or "
         "None (this machine)."
