@@ -107,10 +107,6 @@ def ensure_group() -> None:
         _world.build()
 
 
-def joined() -> World | None:
-    return _world
-
-
 def _torch_init() -> Callable[..., None]:
     import torch.distributed as dist
 
