@@ -37,6 +37,7 @@ __all__ = [
     "RunStopped",
     "SerializationError",
     "Session",
+    "Stacks",
     "WorkerError",
     "barrier",
     "device",
@@ -61,6 +62,7 @@ __version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from nbddp.clusters.ray.cluster import RayCluster, set_cluster
+    from nbddp.diagnosis.stacks import Stacks
     from nbddp.exporting import export
     from nbddp.launch import notebook_launch, spawn
     from nbddp.run import Run, last_run
@@ -75,6 +77,7 @@ _KERNEL_SIDE = {
     "RayCluster": "clusters.ray.cluster",
     "set_cluster": "clusters.ray.cluster",
     "Session": "sessions.session",
+    "Stacks": "diagnosis.stacks",
 }
 
 

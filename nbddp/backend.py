@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, Protocol
 
 from nbddp.wire.messages import BarSnapshot, Block, Display, RankEvent
+from nbddp.wire.stacks import AskStacks, StackReport
 
 
 class Writable(Protocol):
@@ -72,6 +73,9 @@ class RunEvents(Protocol):
     def finishing(self, ranks: frozenset[int]) -> None:
         """The ranks that reported their result and run their exit handlers now."""
 
+    def stacks(self, rank: int, query: int, report: StackReport) -> None:
+        """A rank's answer to the roll-call ``query`` (``Backend.ask``)."""
+
 
 Finish = Callable[[Outcome], None]
 
@@ -86,3 +90,6 @@ class Backend(Protocol):
 
     def stop(self) -> None:
         """Ask for the end; ``finish`` then reports "stopped" (unless it already ended)."""
+
+    def ask(self, message: AskStacks) -> None:
+        """Send a roll-call to every rank; each answers through ``RunEvents.stacks``."""

@@ -367,15 +367,20 @@ class SerializationError(NbddpError, TypeError):
 
 class LaunchTimeout(NbddpError, TimeoutError):
     """The run took longer than its ``timeout``; every rank was terminated (a session's were
-    interrupted, and ``ended`` says how it went)."""
+    interrupted, and ``ended`` says how it went). ``stacks``: where each rank was just before."""
 
     def __init__(self, timeout: float, ended: str = "all workers were terminated") -> None:
         self.timeout = timeout
         self.ended = ended
+        self.stacks: Any = None
         super().__init__(
             f"the run did not finish within timeout={timeout:g} s; {ended}. "
             "Pass a larger timeout= (or None for no limit)."
         )
+
+    def __str__(self) -> str:
+        where = "" if self.stacks is None else "\nWhere the ranks were:\n" + self.stacks.rollcall()
+        return super().__str__() + where
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.timeout, self.ended))
@@ -383,10 +388,12 @@ class LaunchTimeout(NbddpError, TimeoutError):
 
 class RunStopped(NbddpError):
     """``Run.result()`` of a run that was stopped (its Stop button, ``stop()`` or an
-    interrupt) before it finished."""
+    interrupt) before it finished; ``stacks``: where the ranks were, if it had stalled."""
 
-    def __init__(self) -> None:
-        super().__init__("the run was stopped before it finished, so it has no result.")
+    def __init__(self, stacks: Any = None) -> None:
+        self.stacks = stacks
+        where = "" if stacks is None else "\nIt had stalled; the ranks were:\n" + stacks.rollcall()
+        super().__init__("the run was stopped before it finished, so it has no result." + where)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), ())

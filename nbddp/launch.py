@@ -10,7 +10,7 @@ from typing import Any
 from nbddp.backend import Backend
 from nbddp.local.in_kernel import InKernel, device_name
 from nbddp.local.workers import LocalWorkers
-from nbddp.plan import LaunchPlan, make_plan
+from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan
 from nbddp.run import Run, remember
 from nbddp.wire.call import dumps_call
 from nbddp.worker.spawned import LocalRankFirst
@@ -34,6 +34,7 @@ def notebook_launch(
     cluster: Any = None,
     nodes: int | str = "auto",
     workers_per_node: int | str = "auto",
+    stall_after: float | None = STALL_AFTER,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank of a DDP job started from the notebook.
 
@@ -70,6 +71,7 @@ def notebook_launch(
         cluster=cluster,
         nodes=nodes,
         workers_per_node=workers_per_node,
+        stall_after=stall_after,
     )
     return launch_plan(fn, tuple(args), dict(kwargs or {}), plan)
 
@@ -188,8 +190,8 @@ def launch_plan(
         if not plan.block:
             return run
         run.wait()
-    except KeyboardInterrupt:
-        stop_despite_interrupts(run)
+    except KeyboardInterrupt as interrupt:
+        stop_despite_interrupts(run, interrupt)
         raise
     return run.result()
 
@@ -213,11 +215,14 @@ def _backend_for(
     return LocalWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
 
 
-def stop_despite_interrupts(run: Run) -> None:
-    """A second Ctrl-C must not leave ranks behind: keep waiting for the teardown."""
+def stop_despite_interrupts(run: Run, interrupt: KeyboardInterrupt | None = None) -> None:
+    """A second Ctrl-C must not leave ranks behind: keep waiting for the teardown. A run that
+    had stalled gives ``interrupt`` its roll-call (``interrupt.stacks``)."""
     while True:
         try:
             run.stop()
-            return
+            break
         except KeyboardInterrupt:
             continue
+    if interrupt is not None:
+        interrupt.stacks = run.stacks_at_stop  # type: ignore[attr-defined]

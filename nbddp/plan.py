@@ -31,6 +31,8 @@ DEVICE_OPTIONS: tuple[str, ...] = get_args(DeviceOption)
 BACKENDS: tuple[str, ...] = get_args(DistBackend)
 DISPLAYS: tuple[str, ...] = get_args(Display)
 OUTPUTS: tuple[str, ...] = get_args(Output)
+STALL_AFTER = 120.0  # default seconds without progress before the panel shows where ranks are
+STALL_HELP = "seconds without progress before the panel shows where ranks are (none: off)"
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,34 @@ class LaunchPlan:
     nodes: int = 1
     workers_per_node: int = 0  # on one machine: world_size
     exit_timeout: float = EXIT_TIMEOUT  # a rank's exit work's bound (NBDDP_EXIT_TIMEOUT)
+    stall_after: float | None = STALL_AFTER  # seconds without progress before the banner
 
     @property
     def in_kernel(self) -> bool:
         """One rank on this machine runs in the kernel itself: no worker process at all."""
         return self.world_size == 1 and self.cluster is None
+
+
+def check_stall_after(stall_after: Any) -> float | None:
+    """``stall_after=``: seconds without progress before the panel shows where ranks are."""
+    if stall_after is None:
+        return None
+    if isinstance(stall_after, bool) or not isinstance(stall_after, (int, float)):
+        raise ValueError(
+            f"stall_after={stall_after!r} must be a number of seconds, or None to turn the "
+            "stall banner off."
+        )
+    if not (stall_after > 0 and math.isfinite(stall_after)):
+        raise ValueError(
+            f"stall_after={stall_after!r} must be a positive number of seconds (or None)."
+        )
+    return float(stall_after)
+
+
+def seconds_or_none(text: str) -> float | None:
+    """``--stall-after``'s value: a number of seconds, or ``none`` (argparse names the option
+    and the value when this raises)."""
+    return None if text.strip().lower() in ("none", "off") else float(text)
 
 
 def visible_gpu_count() -> int:
@@ -81,6 +106,7 @@ def make_plan(
     cluster: Any = None,
     nodes: int | str = "auto",
     workers_per_node: int | str = "auto",
+    stall_after: float | None = STALL_AFTER,
     gpu_count: int | None = None,
 ) -> LaunchPlan:
     """Validate and resolve the launch options. ``gpu_count`` overrides detection (tests)."""
@@ -128,6 +154,7 @@ def make_plan(
         )
 
     _check_run_options(timeout, display, output, return_all, block)
+    stall = check_stall_after(stall_after)
     return LaunchPlan(
         world_size=workers,
         device=resolved_device,
@@ -143,6 +170,7 @@ def make_plan(
         nodes=n_nodes,
         workers_per_node=per_node,
         exit_timeout=exit_timeout(),
+        stall_after=stall,
     )
 
 
@@ -174,9 +202,11 @@ def with_run_options(
     output: str,
     return_all: bool,
     block: bool,
+    stall_after: float | None = STALL_AFTER,
 ) -> LaunchPlan:
     """``plan`` (where the ranks run) with one run's own options, checked (a session's)."""
     _check_run_options(timeout, display, output, return_all, block)
+    stall = check_stall_after(stall_after)
     return dataclasses.replace(
         plan,
         timeout=float(timeout) if timeout is not None else None,
@@ -184,6 +214,7 @@ def with_run_options(
         output=output,  # type: ignore[arg-type]
         return_all=return_all,
         block=block,
+        stall_after=stall,
     )
 
 

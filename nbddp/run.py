@@ -7,15 +7,22 @@ state model and the live view, starts the backend, and is told the outcome once.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from nbddp import interrupts
 from nbddp.backend import Backend, Outcome, Status
+from nbddp.diagnosis.stacks import Stacks
+from nbddp.diagnosis.stall import StallWatch
 from nbddp.display import LiveDisplay
 from nbddp.display.rich import RichOutputs
 from nbddp.display.state import RunState
-from nbddp.errors import RunStopped, warn_always
+from nbddp.errors import LaunchTimeout, RunStopped, warn_always
 from nbddp.plan import LaunchPlan
+from nbddp.wire.stacks import AskStacks
+
+NATIVE_WAIT = 25.0  # more seconds ranks get to answer with py-spy's native frames
+TIMEOUT_LEAD = 2.0  # seconds before a timeout at which the roll-call for err.stacks is taken
 
 _last: Run | None = None
 
@@ -54,6 +61,11 @@ class Run:
         self._done = threading.Event()
         self._finish_lock = threading.Lock()
         self._warned = False
+        self._watch: StallWatch | None = None
+        self._timer: threading.Timer | None = None
+        self._last_stacks: Stacks | None = None  # taken just before a timeout
+        self._stop_stacks: Stacks | None = None  # taken as a stalled run is stopped
+        self._stop_asked = False
 
     def start(self) -> None:
         """Show the live view and start the backend; raises if the ranks cannot start."""
@@ -61,16 +73,80 @@ class Run:
         try:
             if plan.display != "none":
                 with interrupts.deferred():  # a display thread is closed by _finish, never lost
-                    self._display = LiveDisplay(self._state, plan.display, self.stop, plan.block)
+                    self._display = LiveDisplay(
+                        self._state, plan.display, self.stop, plan.block, self._where_button
+                    )
                 # The live widget shows the ranks' output in its panel, not below it.
                 self._state.panel_output = self._display.mode == "widget"
             self._runner.start(self._state, self._finish)
+            self._watch_for_stalls()
         except KeyboardInterrupt:
             self._finish(Outcome("stopped"))
             raise
         except BaseException as exc:
             self._finish(Outcome("failed", error=exc))
             raise
+
+    def _watch_for_stalls(self) -> None:
+        """The stall banner, and a roll-call just before the timeout ends the ranks."""
+        plan = self._plan
+        if self._done.is_set():
+            return
+        if plan.stall_after is not None:
+            self._watch = StallWatch(
+                plan.stall_after, lambda: self._state.last_progress, self._ask, self._show_stall
+            )
+        if plan.timeout is not None:
+            lead = min(TIMEOUT_LEAD, plan.timeout / 2)
+            self._timer = threading.Timer(plan.timeout - lead, self._before_timeout, (lead,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _show_stall(self, stacks: Stacks | None, quiet: float) -> None:
+        if stacks is None:
+            self._state.show_where("")
+        else:
+            self._state.show_where(stacks.rollcall(), time.time() - quiet)
+
+    def _before_timeout(self, lead: float) -> None:
+        if not self._done.is_set():
+            self._last_stacks = self._ask(lead * 0.8)
+
+    def stacks(self, timeout: float = 5.0, native: bool = False) -> Stacks:
+        """Where every rank (and each of its threads) is right now: an :class:`nbddp.Stacks`,
+        whose ``str()`` is the roll-call (ranks grouped by where they wait, the collective each
+        is in, notebook frames as ``Cell In[n], line m``). Ranks that do not answer within
+        ``timeout`` seconds are left out and named. ``native=True`` adds py-spy's native
+        frames where py-spy is installed and may attach."""
+        return self._ask(timeout, native)
+
+    def _where_button(self) -> None:
+        stacks = self._ask(5.0)
+        if not self._done.is_set():
+            stamp = time.strftime("%H:%M:%S", time.localtime(stacks.taken_at))
+            self._state.show_where(f"Where the ranks were at {stamp}:\n{stacks.rollcall()}")
+
+    def _ask(self, timeout: float, native: bool = False) -> Stacks:
+        if self._done.is_set() or self._outcome is not None:
+            return Stacks(self.world_size, {}, note="the run has ended: there is no rank to ask")
+        answers = self._state.answers
+        query = answers.open()
+        self._runner.ask(AskStacks(query, native))
+        return Stacks(
+            self.world_size, answers.wait(query, timeout + (NATIVE_WAIT if native else 0))
+        )
+
+    @property
+    def stacks_at_stop(self) -> Stacks | None:
+        """Where the ranks were when a run that had stalled was stopped (else None)."""
+        return self._stop_stacks
+
+    def _stacks_if_stalled(self, timeout: float = 2.0) -> None:
+        """Once, as the run is stopped: a fresh roll-call if its stall banner shows."""
+        if self._stop_asked or self._watch is None or self._watch.stalled is None:
+            return
+        self._stop_asked = True
+        self._stop_stacks = self._ask(timeout)
 
     @property
     def status(self) -> Status:
@@ -118,6 +194,7 @@ class Run:
         if self._outcome.warning is not None and not self._warned:
             self._warned = True  # once per run, wherever its result is asked for
             warn_always(self._outcome.warning)
+            raise RunStopped(self._stop_stacks)
         return self._outcome.value
 
     @property
@@ -131,6 +208,7 @@ class Run:
         gone, False if ``timeout`` seconds passed first."""
         if self._done.is_set():
             return True
+        self._stacks_if_stalled()  # what a stalled run was doing, for RunStopped.stacks
         self._runner.stop()
         return self._done.wait(timeout)
 
@@ -138,6 +216,11 @@ class Run:
         with interrupts.deferred(), self._finish_lock:  # whole, or a later wait() would hang
             if self._outcome is not None:
                 return
+            for helper in (self._watch, self._timer):
+                if helper is not None:
+                    helper.cancel()
+            if isinstance(outcome.error, LaunchTimeout):
+                outcome.error.stacks = self._last_stacks
             try:
                 self._state.finish(outcome.status, outcome.error, outcome.warning)
                 if self._display is not None:  # the final panel is drawn before anyone is told

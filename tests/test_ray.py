@@ -6,6 +6,7 @@ interface (127.0.0.2: Ray rewrites 127.0.0.1 to the machine's outward address)."
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -383,3 +384,36 @@ def test_a_session_on_the_cluster_never_keeps_collectives_out_of_step(cluster):
         assert [r["sum"] for r in results] == [3.0, 3.0]
         assert time.monotonic() - started < 10  # no hang until the timeout
         assert "out of step" in session.status()[0]["restarted"]
+
+
+def stalls(hog: bool) -> None:
+    import re
+
+    import torch.distributed as dist
+
+    if nbddp.rank() == 1:
+        if hog:  # the GIL held: only the node's signal dump can say where
+            re.match(r"(a+)+$", "a" * 40 + "b")
+        time.sleep(600)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("hog", [False, True])
+def test_a_stalled_launch_on_two_nodes_names_the_odd_rank(cluster, hog):
+    run = nbddp.notebook_launch(stalls, (hog,), **RAY, block=False)
+    waits = "in match()" if hog else "in time.sleep(600)"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            stacks = run.stacks()
+            rollcall = stacks.rollcall()
+            if waits in rollcall or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+    finally:
+        run.stop()
+    assert "rank 1 is the odd one out" in rollcall, stacks
+    assert "rank 0 waits in barrier" in rollcall, stacks
+    assert re.search(rf"rank 1 is at \S*test_ray\.py:\d+ {re.escape(waits)}", rollcall), stacks
+    if hog:
+        assert "faulthandler" in str(stacks)

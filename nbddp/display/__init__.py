@@ -48,7 +48,12 @@ class LiveDisplay:
     """Drives one view from a background thread until :meth:`close`."""
 
     def __init__(
-        self, state: RunState, mode: str, stop: Callable[[], object] | None, blocking: bool
+        self,
+        state: RunState,
+        mode: str,
+        stop: Callable[[], object] | None,
+        blocking: bool,
+        where: Callable[[], object] | None = None,
     ) -> None:
         self.state = state
         self.mode = resolve_mode(mode)
@@ -58,7 +63,7 @@ class LiveDisplay:
             try:
                 from nbddp.display.panel import PanelView
 
-                self._view = PanelView(state.snapshot(), stop, blocking)
+                self._view = PanelView(state.snapshot(), stop, blocking, where)
             except Exception:  # not in a Jupyter kernel: text is always possible
                 self.mode = "text"
         if self.mode == "text":

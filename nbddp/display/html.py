@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+import time
 
 from nbddp.display import ansi
 from nbddp.display.format import bar_text, format_duration, format_number
@@ -154,9 +155,40 @@ def output_html(s: RunSnapshot) -> str:
     )
 
 
+def where_html(s: RunSnapshot) -> str:
+    """The roll-call: the stall banner (amber) or the answer to the Where? button."""
+    if not s.rollcall:
+        return ""
+    pre = (
+        f'<pre class="nbddp-where" style="{_FONT}margin:2px 0;white-space:pre-wrap">'
+        f"{html.escape(s.rollcall)}</pre>"
+    )
+    if s.stalled_since is None:
+        return f'<div style="{_FONT}color:#374151">{pre}</div>'
+    since = time.strftime("%H:%M:%S", time.localtime(s.stalled_since))
+    quiet = format_duration(max(0.0, time.time() - s.stalled_since))
+    head = (
+        f"No rank made progress since {since} ({quiet}): no log row, bar, output or CPU "
+        "time. Where each rank is:"
+    )
+    tail = "" if s.ended else "Nothing was stopped: the run goes on until it ends or you stop it."
+    return (
+        f'<div class="nbddp-stall" style="{_FONT}background:#fffbeb;border:1px solid #f59e0b;'
+        f'border-radius:4px;padding:4px 8px"><b>{html.escape(head)}</b>{pre}'
+        f'<span style="color:#6b7280">{tail}</span></div>'
+    )
+
+
 def panel_html(s: RunSnapshot, hint: str) -> str:
     """The live panel: the summary's parts, and how to stop the run."""
-    parts = [header_html(s), bars_html(s), metrics_html(s), chart_svg(s), output_html(s)]
+    parts = [
+        header_html(s),
+        where_html(s),
+        bars_html(s),
+        metrics_html(s),
+        chart_svg(s),
+        output_html(s),
+    ]
     body = "".join(f"<div style='margin:4px 0'>{p}</div>" for p in parts if p)
     hint_line = f'<div style="{_FONT}color:#9ca3af">{html.escape(hint)}</div>'
     style = "border-left:3px solid #2563eb;padding-left:8px"
@@ -164,8 +196,10 @@ def panel_html(s: RunSnapshot, hint: str) -> str:
 
 
 def summary_html(s: RunSnapshot) -> str:
-    """The whole panel as static HTML: what a saved notebook keeps."""
-    parts = [header_html(s), bars_html(s), metrics_html(s), chart_svg(s), output_html(s)]
+    """The whole panel as static HTML: what a saved notebook keeps (with the stall banner
+    of a run that ended stalled)."""
+    stall = where_html(s) if s.stalled_since is not None else ""
+    parts = [header_html(s), stall, bars_html(s), metrics_html(s), chart_svg(s), output_html(s)]
     body = "".join(f"<div style='margin:4px 0'>{p}</div>" for p in parts if p)
     style = "border-left:3px solid #e5e7eb;padding-left:8px"
     return f'<div class="nbddp-summary" style="{style}">{body}</div>'

@@ -8,13 +8,15 @@ file ends with the summary. No widget manager is needed for the panel to show, s
 that cannot render widgets ("Loading widget...") still shows the run live.
 
 Widgets are used only for what HTML cannot do, and only where they can work: a background run
-(``block=False``) gets a Stop button, shown when ipywidgets is installed, below the panel, and
-blanked when the run ends; the panel also says ``run.stop()`` for frontends without widgets. A
-blocking run has no button: the cell is busy, the kernel's interrupt (■) stops it.
+(``block=False``) gets a Stop button and a Where? button (``run.stacks()``'s roll-call, shown in
+the panel), when ipywidgets is installed, below the panel, and blanked when the run ends; the
+panel also says ``run.stop()`` and ``run.stacks()`` for frontends without widgets. A blocking
+run has no button: the cell is busy, the kernel's interrupt (■) stops it.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -30,18 +32,26 @@ class PanelView:
     max_rate = MAX_RATE
 
     def __init__(
-        self, first: RunSnapshot, stop: Callable[[], object] | None, blocking: bool
+        self,
+        first: RunSnapshot,
+        stop: Callable[[], object] | None,
+        blocking: bool,
+        where: Callable[[], object] | None = None,
     ) -> None:
         self._cell = CellPublisher()
         if not self._cell.in_kernel:
             raise RuntimeError("the panel needs a Jupyter kernel to show in")
-        self._hint = "stop: the kernel's interrupt button (■)" if blocking else "stop: run.stop()"
+        self._hint = (
+            "stop: the kernel's interrupt button (■)"
+            if blocking
+            else "stop: run.stop() · where each rank is: run.stacks()"
+        )
         self._id = f"nbddp-panel-{uuid.uuid4().hex}"
         self._last = ""
         self._cell.publish(self._bundle(first), transient={"display_id": self._id})
         self._button: Any = None
         if not blocking and stop is not None:
-            self._button = _stop_button(stop, self._cell)
+            self._button = _stop_button(stop, self._cell, where)
 
     def _bundle(self, s: RunSnapshot) -> dict[str, Any]:
         markup = panel_html(s, self._hint)
@@ -70,17 +80,28 @@ class PanelView:
 class _StopButton:
     """A Stop button below the panel; blanked (its output emptied) when the run ends."""
 
-    def __init__(self, stop: Callable[[], object], cell: CellPublisher) -> None:
+    def __init__(
+        self, stop: Callable[[], object], cell: CellPublisher, where: Callable[[], object] | None
+    ) -> None:
         import ipywidgets as widgets
 
         self._cell = cell
-        self._widget = widgets.Button(
+        stop_button = widgets.Button(
             description="Stop",
             icon="stop",
             button_style="danger",
             tooltip="Terminate every worker of this run",
         )
-        self._widget.on_click(lambda _button: stop())
+        stop_button.on_click(lambda _button: stop())
+        buttons = [stop_button]
+        if where is not None:  # the roll-call, asked from a thread: the kernel's stays free
+            where_button = widgets.Button(
+                description="Where?", icon="search", tooltip="Show where each rank is now"
+            )
+            where_button.on_click(lambda _b: threading.Thread(target=where, daemon=True).start())
+            buttons.append(where_button)
+        self._buttons = buttons
+        self._widget = widgets.HBox(buttons)
         self._id = f"nbddp-stop-{uuid.uuid4().hex}"
         bundle = self._widget._repr_mimebundle_()
         bundle["text/plain"] = "(stop: run.stop())"
@@ -90,12 +111,15 @@ class _StopButton:
         try:
             self._cell.publish({"text/plain": ""}, transient={"display_id": self._id}, update=True)
         finally:
-            self._widget.close()
+            for widget in (*self._buttons, self._widget):
+                widget.close()
 
 
-def _stop_button(stop: Callable[[], object], cell: CellPublisher) -> _StopButton | None:
+def _stop_button(
+    stop: Callable[[], object], cell: CellPublisher, where: Callable[[], object] | None = None
+) -> _StopButton | None:
     try:
-        return _StopButton(stop, cell)
+        return _StopButton(stop, cell, where)
     except Exception:  # no ipywidgets: the panel's hint says run.stop()
         return None
 

@@ -14,10 +14,12 @@ import time
 from typing import Any, NamedTuple
 
 from nbddp.backend import Status
+from nbddp.diagnosis.answers import Answers
 from nbddp.display.metrics import History, MetricsAggregator
 from nbddp.display.rich import RichOutputs
 from nbddp.display.terminal import LineWindow
 from nbddp.wire.messages import BarSnapshot, Block, Display
+from nbddp.wire.stacks import StackReport
 
 OUTPUT_LINES = 200
 CHART_POINTS = 300
@@ -56,6 +58,8 @@ class RunSnapshot(NamedTuple):
     output_dropped: int
     nodes: int = 1
     warning: str = ""  # the run succeeded, but its ranks did not train one model together
+    rollcall: str = ""  # the last roll-call shown in the panel ("" none)
+    stalled_since: float | None = None  # time.time() of the last progress, while stalled
     finishing: tuple[int, ...] = ()  # ranks that reported and run their exit handlers
 
     @property
@@ -99,6 +103,10 @@ class RunState:
         self._finishing: frozenset[int] = frozenset()
         self.panel_output = False  # the live widget shows the ranks' output
         self.rich: RichOutputs | None = None  # where the ranks' rich output goes (the cell)
+        self.answers = Answers(world_size)  # roll-calls in flight (Run.stacks)
+        self.last_progress = self.started_at  # monotonic: the last row, bar or output
+        self._where = ""
+        self._stalled_since: float | None = None
         self.version = 0
         self.changed = threading.Condition()
 
@@ -132,12 +140,14 @@ class RunState:
     def rows(self, rank: int, first: int, blocks: list[Block]) -> None:
         with self.changed:
             self.metrics.add(rank, first, blocks)
+            self.last_progress = time.monotonic()
             self._bump()
 
     def main_rows(self, rows: list[tuple[int | None, dict[str, float]]]) -> None:
         with self.changed:
             for step, values in rows:
                 self.metrics.add_main(step, values)
+            self.last_progress = time.monotonic()
             self._bump()
 
     def bars(self, bars: list[BarSnapshot]) -> None:
@@ -153,6 +163,7 @@ class RunState:
                 else:
                     now_shown[bar.id] = shown
             self._bars = now_shown
+            self.last_progress = time.monotonic()
             self._bump()
 
     def display(self, message: Display) -> None:
@@ -167,6 +178,17 @@ class RunState:
     def add_output(self, text: str) -> None:
         with self.changed:
             self._output.feed(text)
+            self.last_progress = time.monotonic()
+            self._bump()
+
+    def stacks(self, rank: int, query: int, report: StackReport) -> None:
+        self.answers.answer(rank, query, report)
+
+    def show_where(self, text: str, stalled_since: float | None = None) -> None:
+        """Show a roll-call in the panel; ``stalled_since`` (wall time): as the stall banner."""
+        with self.changed:
+            self._where = text
+            self._stalled_since = stalled_since
             self._bump()
 
     def finish(
@@ -205,6 +227,8 @@ class RunState:
                 nodes=self.nodes,
                 warning=self.warning,
                 finishing=tuple(sorted(self._finishing)),
+                rollcall=self._where,
+                stalled_since=self._stalled_since,
             )
 
     def history_rows(self) -> list[dict[str, Any]]:

@@ -26,8 +26,14 @@ class TextView:
             self._tty = False
         self._last_line = 0.0
         self._drawn = False
+        self._stall_shown: float | None = None
 
     def render(self, s: RunSnapshot) -> None:
+        if s.stalled_since != self._stall_shown:
+            self._stall_shown = s.stalled_since
+            if s.stalled_since is not None:
+                self._write(("\n" if self._drawn else "") + stall_text(s) + "\n")
+                self._drawn = False
         now = time.monotonic()
         if not self._tty and now - self._last_line < EVERY:
             return
@@ -61,6 +67,14 @@ def status_line(s: RunSnapshot) -> str:
     if s.finishing_line:
         parts.append(s.finishing_line)
     return " | ".join(parts) if len(parts) > 1 else ""
+
+
+def stall_text(s: RunSnapshot) -> str:
+    since = time.strftime("%H:%M:%S", time.localtime(s.stalled_since or time.time()))
+    lines = [f"nbddp: no rank made progress since {since}; where each rank is:"]
+    lines += [f"  {line}" for line in s.rollcall.splitlines()]
+    lines.append("  (nothing was stopped; run.stacks() shows every frame)")
+    return "\n".join(lines)
 
 
 def summary_text(s: RunSnapshot) -> str:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbddp.backend import Judge, Writable
+from nbddp.local.dumps import SignalDumps
 from nbddp.local.processes import Starter, WorkerProcess, terminate
 from nbddp.local.pump import OutputPump
 from nbddp.local.rundir import RunDir
@@ -43,6 +44,7 @@ from nbddp.wire.messages import (
     Shown,
     Started,
 )
+from nbddp.wire.stacks import AskStacks, RankStacks
 from nbddp.wire.transport import AuthenticationFailed, Connection, Listener, PendingHandshake
 
 _READ_BUDGET = 16 << 20  # bytes read from one connection before the loop looks around
@@ -86,6 +88,7 @@ class RankGroup:
         self._sent_job: set[int] = set()
         self._sources: dict[str, tuple[Any, ...]] = {}
         self._torn_down = False
+        self._dumps = SignalDumps(lambda: self._dir.path if self._dir else None, lambda: self.pids)
 
     # -- from any thread -------------------------------------------------------------------
 
@@ -180,6 +183,8 @@ class RankGroup:
             for key, _ in selector.select(self._timeout(judge.deadline())):
                 self._dispatch(key)
             self._expire_handshakes()
+            for dumped in self._dumps.due():  # the ranks that could not answer a roll-call
+                judge.event(Received(dumped.rank, dumped, []))
             verdict = judge.verdict()
             if verdict is not None:
                 return verdict
@@ -187,7 +192,7 @@ class RankGroup:
                 return None
 
     def _timeout(self, deadline: float | None) -> float | None:
-        times = [deadline] if deadline is not None else []
+        times = [t for t in (deadline, self._dumps.deadline()) if t is not None]
         times += [
             key.data[1].deadline
             for key in self._selector.get_map().values()
@@ -202,6 +207,10 @@ class RankGroup:
                 os.read(self._wake_r, 4096)
             while not self._commands.empty():
                 message, fds, then = self._commands.get()
+                if isinstance(message, AskStacks) and not message.native:  # py-spy is slow
+                    self._dumps.asked(
+                        message.query, [r for r in self._connections.values() if r is not None]
+                    )
                 for conn in list(self._connections):
                     self._send(conn, message, list(fds))
                 if then is not None:
@@ -275,6 +284,8 @@ class RankGroup:
             shown = isinstance(message, Display) and not message.update
             if shown and self._pump is not None:
                 self._pump.drain(rank)  # what the rank printed before it goes first
+            if isinstance(message, RankStacks):
+                self._dumps.answered(rank, message.query)
             self._judge.event(Received(rank, message, buffers))
             if shown:
                 self._send(conn, Shown())  # the rank may go on printing

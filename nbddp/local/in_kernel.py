@@ -35,9 +35,11 @@ from nbddp.environment import (
 from nbddp.errors import LaunchTimeout, WorkerError
 from nbddp.plan import LaunchPlan
 from nbddp.wire import payload
+from nbddp.wire.stacks import AskStacks, StackReport
 from nbddp.worker import live, world
 from nbddp.worker.context import Context, installed
 from nbddp.worker.report import format_user_traceback, message_of
+from nbddp.worker.stacks import current_threads, recent_collectives
 
 ABORT_GRACE = 0.5
 
@@ -142,8 +144,10 @@ class InKernel:
         self._reason: Literal["stopped", "timeout"] | None = None
         self._thread_id = 0
         self._buffer: live.LiveBuffer | None = None
+        self._events: RunEvents | None = None
 
     def start(self, events: RunEvents, finish: Finish) -> None:
+        self._events = events
         if self.plan.block:
             self._run(events, finish)
         else:
@@ -153,6 +157,16 @@ class InKernel:
 
     def stop(self) -> None:
         self._abort("stopped")
+
+    def ask(self, message: AskStacks) -> None:
+        """The one rank is the kernel's thread that runs fn: its stack is taken right here."""
+        events, ident = self._events, self._thread_id
+        if events is None or not ident:
+            return
+        threads = tuple(t._replace(main=True) for t in current_threads(only=ident))
+        collectives, note = recent_collectives()
+        report = StackReport("asked", threads, collectives, (), None, "", (note,) if note else ())
+        events.stacks(0, message.query, report)
 
     def _abort(self, reason: Literal["stopped", "timeout"]) -> None:
         """Cooperatively first (the next log/progress step raises), by force after a grace."""

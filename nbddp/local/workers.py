@@ -30,6 +30,7 @@ from nbddp.local.processes import Starter
 from nbddp.plan import LaunchPlan, job_spec
 from nbddp.rules.referee import Referee
 from nbddp.wire.call import Call
+from nbddp.wire.stacks import AskStacks
 
 
 def local_group(
@@ -113,6 +114,10 @@ class LocalWorkers:
                 with interrupts.deferred():
                     supervisor.join()
             raise
+
+    def ask(self, message: AskStacks) -> None:
+        if self._group is not None:
+            self._group.send_all(message)
 
     def stop(self) -> None:
         if self._referee is not None:

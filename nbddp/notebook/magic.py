@@ -25,7 +25,17 @@ from nbddp.errors import NbddpError, SerializationError, WorkerError
 from nbddp.exporting import export_cell
 from nbddp.launch import launch_plan
 from nbddp.notebook import cell as cells
-from nbddp.plan import BACKENDS, DEVICE_OPTIONS, DISPLAYS, OUTPUTS, LaunchPlan, make_plan
+from nbddp.plan import (
+    BACKENDS,
+    DEVICE_OPTIONS,
+    DISPLAYS,
+    OUTPUTS,
+    STALL_AFTER,
+    STALL_HELP,
+    LaunchPlan,
+    make_plan,
+    seconds_or_none,
+)
 from nbddp.wire import payload
 from nbddp.wire.culprit import locate_unpicklable
 from nbddp.worker.cell import CellOutcome, run_cell
@@ -56,6 +66,7 @@ class DDPMagics(Magics):
         "--backend", choices=BACKENDS, default=None, help="default: nccl on cuda, gloo on cpu"
     )
     @argument("--timeout", type=float, default=None, help="seconds for the whole run")
+    @argument("--stall-after", type=seconds_or_none, default=STALL_AFTER, help=STALL_HELP)
     @argument("--display", choices=DISPLAYS, default="auto")
     @argument("--output", choices=OUTPUTS, default="rank0", help="whose prints reach the notebook")
     @argument(
@@ -119,6 +130,7 @@ class DDPMagics(Magics):
                 timeout=args.timeout,
                 display=args.display,
                 output=args.output,
+                stall_after=args.stall_after,
                 cluster=args.cluster,
                 nodes="auto" if args.nodes is None else args.nodes,
                 workers_per_node=(
@@ -238,6 +250,7 @@ class DDPMagics(Magics):
             timeout=args.timeout,
             display=args.display,
             output=args.output,
+            stall_after=args.stall_after,
         )
         return self._bring_back(outcome, source, filename, session=True)
 

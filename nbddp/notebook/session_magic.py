@@ -138,6 +138,8 @@ def status_table(session: Session) -> str:
         )
     if rows[0]["restarted"]:
         lines.append(f"ranks restarted {rows[0]['restarted']}; the state they held was lost")
+    if rows.stacks is not None:
+        lines += ["", "The running task:", rows.stacks.rollcall()]
     return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ from nbddp.wire.messages import (
     Rows,
     Started,
 )
+from nbddp.wire.stacks import RankStacks
 
 # After the first failure, how long to wait for the other ranks' news before choosing the root
 # cause: a rank that dies closes its sockets before it can be seen to exit, so a peer's
@@ -55,6 +56,8 @@ def forward_live(events: RunEvents, rank: int, message: Any) -> bool:
             events.device(name)
         case Display():
             events.display(message)
+        case RankStacks(query=query, report=report):
+            events.stacks(rank, query, report)
         case _:
             return False
     return True

@@ -26,10 +26,11 @@ from typing import Any
 from nbddp.backend import Finish, RunEvents
 from nbddp.errors import NbddpError, WorkerError, warn_user
 from nbddp.launch import check_call, stop_despite_interrupts
-from nbddp.plan import LaunchPlan, make_plan, with_run_options
+from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan, with_run_options
 from nbddp.rules.task_referee import TaskReferee, TaskVerdict, restart_cause, restart_note, trigger
 from nbddp.run import Run, remember
 from nbddp.sessions.ranks import SessionRanks
+from nbddp.sessions.status import SessionStatus, session_status
 from nbddp.wire import payload
 from nbddp.wire.call import Call, dumps_call
 
@@ -107,31 +108,14 @@ class Session:
         ranks = self._holder[0]
         return ranks.names if ranks is not None else frozenset()
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> SessionStatus:
         """One row per rank: ``rank``, ``pid``, ``alive``, ``busy`` (None: no answer within
         2 s), ``memory`` (resident bytes), ``device_memory`` (bytes PyTorch reserved on
-        its GPU; None on the CPU) and ``restarted``: when and why the session last replaced
-        its ranks after a task (stuck, died, or collectives out of step), None if never."""
-        ranks = self._holder[0]
-        if ranks is None:
-            return []
-        alive = ranks.alive
-        answers = ranks.probe() if alive else {}
-        rows = []
-        for rank in range(self.world_size):
-            answer = answers.get(rank)
-            rows.append(
-                {
-                    "rank": rank,
-                    "pid": ranks.pids.get(rank),
-                    "alive": alive,
-                    "busy": answer.busy if answer is not None else None,
-                    "memory": answer.memory if answer is not None else None,
-                    "device_memory": answer.device_memory if answer is not None else None,
-                    "restarted": self._restarted,
-                }
-            )
-        return rows
+        its GPU; None on the CPU), ``restarted`` (when and why the session last replaced its
+        ranks after a task: stuck, died, or collectives out of step; None if never) and
+        ``where`` (the rank's place in a running task, else None). ``.stacks`` is the running
+        task's roll-call (:class:`nbddp.Stacks`), or None."""
+        return session_status(self.world_size, self._holder[0], self._active, self._restarted)
 
     # -- runs ----------------------------------------------------------------------------------
 
@@ -146,13 +130,14 @@ class Session:
         block: bool = True,
         display: str = "auto",
         output: str = "rank0",
+        stall_after: float | None = STALL_AFTER,
     ) -> Any:
         """Run ``fn(*args, **kwargs)`` on every rank, in the session's namespace. Returns
         rank 0's value (every rank's with ``return_all``; a :class:`nbddp.Run` with
         ``block=False``); raises :class:`nbddp.WorkerError` when a rank raised."""
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
         check_call(fn, args, kwargs)
-        plan = self._options(timeout, display, output, return_all, block)
+        plan = self._options(timeout, display, output, return_all, block, stall_after)
         ranks = self._ready_ranks()
         call = dumps_call(
             _without_names(fn, ranks.names),
@@ -182,6 +167,7 @@ class Session:
             options.get("output", "rank0"),
             False,
             True,
+            options.get("stall_after", STALL_AFTER),
         )
         ranks = self._ready_ranks()
         cell_args = (source, filename, inputs, out_names, show_last, deletes)
@@ -207,7 +193,13 @@ class Session:
         return dict(outcome.values)
 
     def _options(
-        self, timeout: Any, display: Any, output: Any, return_all: Any, block: Any
+        self,
+        timeout: Any,
+        display: Any,
+        output: Any,
+        return_all: Any,
+        block: Any,
+        stall_after: Any = STALL_AFTER,
     ) -> LaunchPlan:
         return with_run_options(
             self._plan,
@@ -216,6 +208,7 @@ class Session:
             output=output,
             return_all=return_all,
             block=block,
+            stall_after=stall_after,
         )
 
     def _run(self, kind: str, call: Call, plan: LaunchPlan, ranks: SessionRanks) -> Any:
@@ -229,8 +222,8 @@ class Session:
             if not plan.block:
                 return run
             run.wait()
-        except KeyboardInterrupt:
-            stop_despite_interrupts(run)
+        except KeyboardInterrupt as interrupt:
+            stop_despite_interrupts(run, interrupt)
             self._replace_if_lost(task, "the interrupt")
             raise
         if task.verdict is not None:
@@ -360,6 +353,9 @@ class _SessionTask:
     def stop(self) -> None:
         if self._referee is not None:
             self._ranks.stop_task(self._referee)
+
+    def ask(self, message: Any) -> None:
+        self._ranks.io.send_all(message)
 
 
 def _by_value(fn: types.FunctionType) -> bool:

@@ -59,6 +59,9 @@ count of collectives changed ``Issued``.
                                       they are in step
     Close()                           the session ends: each rank runs its exit work, exits
 
+Any rank, any time: ``AskStacks(query, native)``, answered by ``RankStacks(rank, query, report)``
+(where its threads are; defined in ``stacks.py``).
+
 Messages are NamedTuples: pickled in a few bytes, immutable, and matched by class in the
 supervisor (``match message: case Rows(rank, first, blocks): ...``).
 """
@@ -68,6 +71,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
+
+from nbddp.wire.stacks import AskStacks, RankStacks
 
 Output = Literal["rank0", "all", "none"]  # whose output a run shows
 
@@ -355,46 +360,6 @@ Message = (
     | Names
     | Issued
     | Close
+    | AskStacks
+    | RankStacks
 )
-
-
-# -- the kernel and its pre-warmed helper (forkserver.py, worker/forkserver.py) ---------------
-
-
-class Spawn(NamedTuple):
-    """Kernel -> helper: fork a rank running ``argv`` with ``env``; its stdout and stderr pipe
-    ends ride on the frame."""
-
-    request: int
-    argv: list[str]
-    env: dict[str, str]
-
-
-class Release(NamedTuple):
-    """Kernel -> helper: the rank ended and was seen to end; reap it."""
-
-    pid: int
-
-
-class Ready(NamedTuple):
-    """Helper -> kernel: torch is imported, requests are served from now on."""
-
-    pid: int
-
-
-class Spawned(NamedTuple):
-    request: int
-    pid: int
-
-
-class SpawnFailed(NamedTuple):
-    request: int
-    reason: str
-
-
-class Exited(NamedTuple):
-    """Helper -> kernel: a rank ended (negative code: the signal); it stays unreaped until
-    released, so its pid stays the kernel's to signal."""
-
-    pid: int
-    code: int

@@ -22,19 +22,10 @@ import threading
 
 from nbddp.wire import payload, transport
 from nbddp.wire.call import loads_call
-from nbddp.wire.messages import (
-    SPEC,
-    AllJoined,
-    Failed,
-    Hello,
-    Job,
-    JobSpec,
-    Joined,
-    Shown,
-    Trained,
-)
+from nbddp.wire.messages import SPEC, AllJoined, Failed, Hello, Job, JobSpec, Joined, Shown, Trained
+from nbddp.wire.stacks import AskStacks
 from nbddp.wire.transport import Connection
-from nbddp.worker import integrations, live, rich, sync_check
+from nbddp.worker import integrations, live, rich, stacks, sync_check
 from nbddp.worker.exiting import exit_normally, skip_import_finalizers
 from nbddp.worker.reaping import become_subreaper, end_descendants
 from nbddp.worker.report import ChannelSink, error_report
@@ -52,6 +43,7 @@ def main(directory: str) -> int:
     with open(os.path.join(directory, SPEC), "rb") as f:
         spec = JobSpec.from_json(f.read())
     rank = int(os.environ["RANK"])
+    stacks.install(directory, rank)
     conn = transport.connect(spec.address, bytes.fromhex(spec.authkey))
     conn.send(Hello(rank))
     if spec.session:
@@ -70,9 +62,10 @@ def main(directory: str) -> int:
     os._exit(code)  # no interpreter shutdown: a user thread or child cannot hold the run
 
 
-def _listen(conn: Connection, joined: threading.Event) -> None:
-    """The kernel's word after the job: ``AllJoined``, ``Shown``. Its end closing means it is
-    gone, and so is this rank, at once, with its whole process group."""
+def _listen(conn: Connection, rank: int, joined: threading.Event) -> None:
+    """The kernel's word after the job: ``AllJoined``, ``Shown``, or a roll-call (answered
+    even while fn waits in a collective). Its end closing means it is gone, and so is this
+    rank, at once, with its whole process group."""
     try:
         while True:
             message = conn.recv().message
@@ -80,6 +73,8 @@ def _listen(conn: Connection, joined: threading.Event) -> None:
                 joined.set()
             elif isinstance(message, Shown):
                 rich.shown()
+            elif isinstance(message, AskStacks):
+                stacks.answer(conn, rank, message)
     except (EOFError, OSError):
         pass
     kill_own_group()
@@ -95,7 +90,9 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
     if not isinstance(job, Job):
         return 1
     store = fds.pop() if job.store and fds else None
-    threading.Thread(target=_listen, args=(conn, joined), daemon=True).start()
+    threading.Thread(
+        target=_listen, args=(conn, rank, joined), name="nbddp-listener", daemon=True
+    ).start()
     early_exit = checked = False
     try:
         payload.install_sources(job.sources)

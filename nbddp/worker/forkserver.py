@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 
-from nbddp.wire.messages import Exited, Ready, Release, Spawn, Spawned, SpawnFailed
+from nbddp.wire.helper import Exited, Ready, Release, Spawn, Spawned, SpawnFailed
 from nbddp.wire.transport import Connection
 from nbddp.worker.reaping import become_subreaper, exit_status, process_table, signal_each
 

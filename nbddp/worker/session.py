@@ -40,8 +40,9 @@ from nbddp.wire.messages import (
     Shown,
     Task,
 )
+from nbddp.wire.stacks import AskStacks
 from nbddp.wire.transport import Connection, Frame
-from nbddp.worker import collectives, integrations, live, rich, world
+from nbddp.worker import collectives, integrations, live, rich, stacks, world
 from nbddp.worker.context import device
 from nbddp.worker.exiting import skip_import_finalizers
 from nbddp.worker.report import ChannelSink, error_report
@@ -223,6 +224,8 @@ def _listen(
                     conn.send(_status(rank, busy, spec))
                 case Shown():
                     rich.shown()
+                case AskStacks():
+                    stacks.answer(conn, rank, frame.message)
     except (EOFError, OSError):
         pass
     kill_own_group()

@@ -69,6 +69,9 @@ def prepare(spec: JobSpec, rank: int, conn: Connection) -> Any:
     )
 
 
+_FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}
+
+
 def join_process_group(
     spec: JobSpec, rank: int, world_size: int, store_socket: int | None = None
 ) -> None:
@@ -81,6 +84,9 @@ def join_process_group(
     paid). Rank 0 serves the store on it; every rank builds what ``env://`` would build."""
     from nbddp.worker import world
 
+    if spec.backend == "gloo" and not _FLIGHT_RECORDER & set(os.environ):
+        # torch's flight recorder says which collective a rank is in (the default in newer torch)
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     world.join(spec.backend, rank, world_size, _rendezvous_store(rank, world_size, store_socket))
 
 

@@ -191,6 +191,10 @@ class RayWorkers:
         for helper in self._helpers:
             helper.send_all.remote(self._run_id, message)
 
+    def ask(self, message: Any) -> None:
+        """A roll-call: each node's ranks answer, and each node dumps the ones that cannot."""
+        self.send_all(message)
+
     def send_task(self, task: Any, call: Call) -> None:
         """A session's task to every node: the call's bytes once into the object store."""
         import numpy as np
