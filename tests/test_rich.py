@@ -200,3 +200,12 @@ def test_a_background_run_shows_its_output_in_the_cell_that_started_it(rich_kern
         and m["content"]["data"].get("text/html") == "<b>late</b>"
     ]
     assert len(late) == 1 and late[0]["parent_header"]["msg_id"] == starter
+
+
+def test_output_none_shows_no_rank_output(rich_kernel):
+    shown = outputs(
+        rich_kernel,
+        "%%ddp -n 2 --device cpu --display none --output none\n"
+        "print('hidden')\ndisplay(HTML('<b>hidden</b>'))\nplt.plot([1]); plt.show()",
+    )
+    assert shown == []
