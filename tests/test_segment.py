@@ -1,5 +1,7 @@
 """The data a launch captures reaches every rank without copies: its bytes sit once in shared
-memory that each rank maps copy-on-write; the segment is gone however the run ends."""
+memory that each rank maps copy-on-write (a CPU tensor's own storage, moved there in place on
+its first launch; the rest in a segment per launch); the segment is gone however the run
+ends."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def _link(path: str) -> str:
         return ""
 
 
-def holders_of_segments() -> list[int]:
+def holders_of_segments(segment: str = SEGMENT) -> list[int]:
     """Our processes that hold a launch's shared segment, by descriptor or by mapping."""
     holders = []
     me = os.getuid()
@@ -49,8 +51,8 @@ def holders_of_segments() -> list[int]:
             if os.stat(f"/proc/{pid}").st_uid != me:
                 continue
             with open(f"/proc/{pid}/maps") as maps:
-                mapped = SEGMENT in maps.read()
-            held = any(SEGMENT in _link(fd) for fd in glob.glob(f"/proc/{pid}/fd/*"))
+                mapped = segment in maps.read()
+            held = any(segment in _link(fd) for fd in glob.glob(f"/proc/{pid}/fd/*"))
         except OSError:
             continue
         if mapped or held:
@@ -114,7 +116,8 @@ def test_a_rank_writing_to_captured_data_changes_only_its_own_copy():
     assert (float(TENSOR[:10].sum()), float(ARRAY[:10].sum())) == before  # the notebook's
 
 
-def test_the_pickle_stream_stays_small_and_the_bytes_go_to_one_segment():
+def test_the_pickle_stream_stays_small_and_the_bytes_go_to_one_segment(monkeypatch):
+    monkeypatch.setenv("NBDDP_SHARE_IN_PLACE", "0")  # the opt-out: a copy per launch, as before
     big = torch.ones(25_000_000)  # 100 MB
     call = calls.dumps_call(lambda: big.sum(), (), {})
     try:
@@ -123,6 +126,88 @@ def test_the_pickle_stream_stays_small_and_the_bytes_go_to_one_segment():
     finally:
         call.close()
     assert SEGMENT not in " ".join(_link(f) for f in glob.glob("/proc/self/fd/*"))
+    assert not big.is_shared()
+
+
+def _file_of(fd: int) -> tuple[int, int]:
+    stat = os.fstat(fd)
+    return stat.st_dev, stat.st_ino
+
+
+def test_a_captured_tensor_is_shared_in_place_once_and_later_launches_copy_nothing():
+    data = torch.arange(2_000_000, dtype=torch.float64)  # 16 MB
+    view = data[8:]
+    values = data.clone()
+    assert not data.is_shared()
+    first = calls.dumps_call(lambda: (data.sum(), view.sum()), (), {})
+    second = calls.dumps_call(lambda: data.sum(), (), {})
+    try:
+        assert data.is_shared() and data.untyped_storage().is_shared()
+        assert torch.equal(data, values) and view.data_ptr() == data.data_ptr() + 64
+        # one file, the storage's own (both tensors view it), in both launches: no segment
+        assert len(first.fds) == 1 and len(second.fds) == 1
+        assert _link(f"/proc/self/fd/{first.fds[0]}").startswith("/dev/shm/torch_")
+        assert _file_of(first.fds[0]) == _file_of(second.fds[0])
+        assert first.layout is not None and len(first.layout.spans) == 2
+        assert first.layout.spans[1][1] == 64  # the view, where it sits in the storage
+    finally:
+        first.close()
+        second.close()
+    sums = nbddp.notebook_launch(lambda: (float(data.sum()), float(view[0])), **TWO_CPU_QUIET)
+    assert sums == (float(values.sum()), 8.0)
+
+
+def test_storages_beyond_the_limit_of_one_launch_are_copied(monkeypatch):
+    monkeypatch.setattr(calls, "MAX_PLACED", 2)
+    tensors = [torch.full((100_000,), float(i)) for i in range(3)]
+    call = calls.dumps_call(lambda: [t.sum() for t in tensors], (), {})
+    try:
+        assert len(call.fds) == 3  # the segment (the third storage's copy) and two files
+        assert call.layout is not None and [f for f, _, _ in call.layout.spans] == [1, 2, 0]
+        assert [t.is_shared() for t in tensors] == [True, True, True]  # moved, then over
+    finally:
+        call.close()
+    sums = nbddp.notebook_launch(lambda: [float(t.sum()) for t in tensors], **TWO_CPU_QUIET)
+    assert sums == [0.0, 100_000.0, 200_000.0]
+
+
+def test_the_next_launch_sees_the_kernels_writes_and_a_ranks_writes_stay_its_own():
+    data = torch.zeros(1_000_000)  # 4 MB, shared in place by the first launch
+
+    def rank1_writes() -> tuple[float, float]:
+        seen = float(data[1])
+        if nbddp.rank() == 1:
+            data[0] = -5.0  # copy-on-write: rank 1's page only
+        nbddp.barrier()
+        return seen, float(data[0])
+
+    assert nbddp.notebook_launch(rank1_writes, **TWO_CPU_QUIET, return_all=True) == [
+        (0.0, 0.0),
+        (0.0, -5.0),
+    ]
+    assert data.is_shared() and float(data[0]) == 0.0  # the notebook's is untouched
+    data[1] = 42.0  # the notebook changes it between two launches
+    assert nbddp.notebook_launch(rank1_writes, **TWO_CPU_QUIET, return_all=True) == [
+        (42.0, 0.0),
+        (42.0, -5.0),
+    ]
+    assert float(data[0]) == 0.0
+
+
+def test_memory_torch_does_not_own_and_the_opt_out_stay_where_they_are(monkeypatch):
+    array = np.zeros(1_000_000, dtype=np.float32)
+    viewing = torch.from_numpy(array)  # moving it would end its sharing with the array
+    strided = torch.zeros(2_000_000)[::2]  # not contiguous: gathered into the segment
+    assert nbddp.notebook_launch(
+        lambda: (float(viewing.sum()), float(strided.sum())), **TWO_CPU_QUIET
+    ) == (0.0, 0.0)
+    assert not viewing.is_shared() and not strided.is_shared()
+    array[0] = 3.0
+    assert float(viewing[0]) == 3.0  # still the array's memory
+    monkeypatch.setenv("NBDDP_SHARE_IN_PLACE", "0")
+    plain = torch.ones(1_000_000)
+    assert nbddp.notebook_launch(lambda: float(plain.sum()), **TWO_CPU_QUIET) == 1e6
+    assert not plain.is_shared()
 
 
 def pss_of_the_run(kernel: int) -> int:
@@ -141,8 +226,10 @@ CAPTURED: torch.Tensor | None = None
 
 
 @pytest.mark.slow
-def test_total_memory_grows_by_the_data_once_not_per_rank():
+@pytest.mark.parametrize("in_place", [True, False])
+def test_total_memory_grows_by_the_data_once_not_per_rank(monkeypatch, in_place):
     global CAPTURED
+    monkeypatch.setenv("NBDDP_SHARE_IN_PLACE", "1" if in_place else "0")
     size = 256 * 2**20
     CAPTURED = None
     empty = nbddp.notebook_launch(pss_of_the_run, (os.getpid(),), **TWO_CPU_QUIET)
@@ -151,8 +238,11 @@ def test_total_memory_grows_by_the_data_once_not_per_rank():
         baseline = nbddp.notebook_launch(pss_of_the_run, (os.getpid(),), **TWO_CPU_QUIET)
         # the kernel's own CAPTURED is in `baseline` but not in `empty`: count it out
         extra = baseline - empty - size
-        assert extra <= 1.2 * size + 64 * 2**20, (extra / size, baseline, empty)
-        assert extra >= 0.5 * size  # the ranks do hold the data: the measure is not blind
+        if in_place:  # the ranks map the kernel's own pages: no second copy at all
+            assert abs(extra) <= 0.2 * size + 64 * 2**20, (extra / size, baseline, empty)
+        else:  # one copy in the launch's segment
+            assert extra <= 1.2 * size + 64 * 2**20, (extra / size, baseline, empty)
+            assert extra >= 0.5 * size  # the ranks do hold the data: the measure is not blind
     finally:
         CAPTURED = None
 
@@ -185,16 +275,21 @@ def test_the_segment_is_gone_when_the_kernel_is_killed(kernel_factory):
     doomed = kernel_factory()
     try:
         out, reply = doomed.run(
-            "import nbddp, torch, time\n"
-            "data = torch.ones(10_000_000)\n"
-            "def hold():\n    float(data.sum()); time.sleep(600)\n"
+            "import nbddp, numpy, torch, time\n"
+            "data, array = torch.ones(10_000_000), numpy.ones(10_000_000)\n"
+            "def hold():\n    float(data.sum()), float(array.sum()); time.sleep(600)\n"
             "run = nbddp.notebook_launch(hold, num_workers=2, device='cpu', block=False)\n"
             "time.sleep(3); print(run.status)"
         )
         assert reply["status"] == "ok" and "running" in out, out
-        assert holders_of_segments()  # the ranks map it now
+        in_place = f"/dev/shm/torch_{doomed.pid}_"  # the tensor's storage, shared in place
+        assert holders_of_segments() and len(holders_of_segments(in_place)) == 3  # + the ranks
         doomed.manager.signal_kernel(signal.SIGKILL)
         assert wait_no_holders() == []
+        deadline = time.monotonic() + 10
+        while holders_of_segments(in_place) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert holders_of_segments(in_place) == []
     finally:
         doomed.shutdown()
 

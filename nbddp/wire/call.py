@@ -1,6 +1,8 @@
 """A launch's ``(fn, args, kwargs)`` on its way to every rank: a small pickle stream, and the
-bytes of every tensor and array it captures in one shared memory segment (``shared.py``),
-copied once however many ranks there are.
+bytes of every tensor and array it captures in shared memory, mapped by every rank: a CPU
+tensor's own storage, moved there in place on its first launch (``in_place.py``: later
+launches copy nothing), everything else copied once per launch into one segment
+(``segment.py``), however many ranks there are.
 
 A capture large enough to matter is said once, by name, before anything starts: a call whose
 shared bytes exceed ``SHARED_WARN`` of this machine's memory, or whose pickle stream itself
@@ -10,6 +12,7 @@ shared bytes exceed ``SHARED_WARN`` of this machine's memory, or whose pickle st
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -18,44 +21,56 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from nbddp.errors import SerializationError, warn_user
-from nbddp.wire import payload
+from nbddp.wire import in_place, payload
 from nbddp.wire import segment as shared
 from nbddp.wire.culprit import describe, function_children, locate_unpicklable
 from nbddp.wire.messages import SharedLayout
 from nbddp.wire.payload import TransferPickler, check_picklable
 
 SHARED_WARN = 0.25  # of the machine's memory
+MAX_PLACED = 200  # storages shared in place per call (a descriptor each); more are copied
 IN_BAND_WARN = 1 << 30  # bytes
 
 
 class Call:
-    """The pickled call: ``stream``, plus the segment holding its out-of-band bytes. The
-    kernel closes it once every rank has it (their mappings keep the pages)."""
+    """The pickled call: ``stream``, plus the shared memory files holding its out-of-band
+    bytes: the segment of copies, and the files of storages shared in place (``placed``:
+    duplicated descriptors, owned here). The kernel closes it once every rank has it (their
+    mappings keep the pages)."""
 
     def __init__(
         self,
         stream: bytes,
         segment: shared.Segment | None = None,
         buffers: list[memoryview] | None = None,
+        placed: list[tuple[int, int]] | None = None,
+        spans: list[tuple[int, int, int]] | None = None,
     ) -> None:
         self.stream = stream
         self.segment = segment
         self.buffers = buffers or []  # not in a segment: views of the objects' own memory
+        self.placed = placed or []  # (fd, size) of each storage file, after the segment
+        self._spans = spans  # (file, offset, length) per buffer; None: the segment's own
         self.modules: set[str] = set()  # what the pickled call refers to by name
 
     @property
     def layout(self) -> SharedLayout | None:
-        return self.segment.layout if self.segment is not None else None
+        if self._spans is None:
+            return self.segment.layout if self.segment is not None else None
+        sizes = [self.segment.size] if self.segment is not None else []
+        return SharedLayout(sizes + [size for _, size in self.placed], self._spans)
 
     @property
     def fds(self) -> list[int]:
-        return [self.segment.fd] if self.segment is not None else []
+        segment = [self.segment.fd] if self.segment is not None else []
+        return segment + [fd for fd, _ in self.placed]
 
     @property
     def shared_size(self) -> int:
+        placed = sum(size for _, size in self.placed)
         if self.segment is not None:
-            return self.segment.size
-        return sum(b.nbytes for b in self.buffers)
+            return self.segment.size + placed
+        return sum(b.nbytes for b in self.buffers) + placed
 
     def needs(self) -> set[str]:
         """The top-level modules the ranks must import to unpickle the call (those pickled
@@ -69,6 +84,10 @@ class Call:
         if self.segment is not None:
             self.segment.close()
         self.buffers = []
+        for fd, _ in self.placed:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.placed = []
 
 
 def dumps_call(
@@ -81,22 +100,32 @@ def dumps_call(
     """Pickle a launch's call; tensors and arrays go to shared memory, a CUDA tensor to be
     rebuilt on each rank's own device. ``names`` are what the call carries by the names the
     user knows them by (a ``%%ddp`` cell's inputs), for the warnings and errors. Without
-    ``segment`` (a cluster: Ray's object store carries the bytes) the buffers stay views.
+    ``segment`` (a cluster: Ray's object store carries the bytes) the buffers stay views,
+    and no storage is shared in place.
 
     A failure names the piece and the path to the culprit: ``train -> global 'lock' ->
     _thread.lock`` or ``kwargs['opt'] -> ...``."""
     name = getattr(fn, "__qualname__", None) or repr(fn)
-    buffers: list[memoryview] = []
+    buffers: list[memoryview] = []  # to copy
+    order: list[_Placed | int] = []  # per buffer: where it sits in place, or its copy's index
+    storages: set[int] = set()  # the descriptors of the storages shared in place
 
     def out_of_band(buffer: pickle.PickleBuffer) -> bool:  # True: keep it in the stream
+        where = pickler.placed.pop(id(buffer), None)
         raw = buffer.raw()
         if raw.nbytes < shared.OUT_OF_BAND_MIN:
             return True
-        buffers.append(raw)
+        if where is not None and (where[0] in storages or len(storages) < MAX_PLACED):
+            storages.add(where[0])
+            order.append((*where, raw.nbytes))
+        else:
+            order.append(len(buffers))
+            buffers.append(raw)
         return False
 
     stream = io.BytesIO()
-    pickler = TransferPickler(stream, out_of_band, to_devices=True)
+    in_place_min = shared.OUT_OF_BAND_MIN if segment and in_place.enabled() else None
+    pickler = TransferPickler(stream, out_of_band, to_devices=True, in_place_min=in_place_min)
     try:
         pickler.dump((fn, args, kwargs))
     except Exception as exc:
@@ -105,18 +134,52 @@ def dumps_call(
     if not segment:
         call = Call(stream.getvalue(), buffers=buffers)
     else:
-        call = Call(stream.getvalue(), shared.Segment(buffers) if buffers else None)
+        call = _shared_call(stream.getvalue(), buffers, order)
         buffers = []  # views of the user's tensors: not kept
     call.modules = pickler.modules
     _warn_if_big(call, list(_pieces(fn, args, kwargs, names)))
     return call
 
 
+_Placed = tuple[
+    int, int, int, int
+]  # a storage's file: descriptor, size; the buffer: offset, length
+
+
+def _shared_call(stream: bytes, copies: list[memoryview], order: list[_Placed | int]) -> Call:
+    """The call with its copies in a new segment (file 0, when there are any) and the files
+    of the storages shared in place after it, one per storage however many tensors view it."""
+    if all(isinstance(o, int) for o in order):  # nothing in place: the segment says it all
+        return Call(stream, shared.Segment(copies) if copies else None)
+    segment = shared.Segment(copies) if copies else None
+    first = 1 if segment is not None else 0
+    files: dict[int, int] = {}  # the storage's own descriptor: its index among the files
+    placed: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, int]] = []
+    try:
+        for where in order:
+            if isinstance(where, int):
+                assert segment is not None
+                start, length = segment.spans[where]
+                spans.append((0, start, length))
+                continue
+            fd, size, offset, length = where
+            if fd not in files:
+                files[fd] = first + len(placed)
+                placed.append((os.dup(fd), size))  # ours: the storage may go meanwhile
+            spans.append((files[fd], offset, length))
+    except BaseException:
+        Call(stream, segment, placed=placed).close()
+        raise
+    return Call(stream, segment, placed=placed, spans=spans)
+
+
 def loads_call(stream: bytes, layout: SharedLayout | None, fds: list[int], device: Any) -> Any:
     """A rank's side: the ``(fn, args, kwargs)`` to run, its tensors on the shared pages, and
     those captured from the kernel's GPU on ``device``."""
-    buffers = shared.map_buffers(fds.pop(0), layout) if layout is not None and fds else []
-    for fd in fds:
+    files = len(layout.sizes) if layout is not None else 0
+    buffers = shared.map_buffers(fds[:files], layout) if layout is not None else []
+    for fd in fds[files:]:
         os.close(fd)
     with payload.arriving_on(device):
         return pickle.loads(stream, buffers=buffers)

@@ -230,10 +230,12 @@ RankEvent = Received | Ended | Started | Printed | NodeLost
 
 
 class SharedLayout(NamedTuple):
-    """Where each out-of-band buffer of the call sits in the shared memory segment."""
+    """Where each out-of-band buffer of the call sits: in which of the shared memory files
+    whose descriptors ride on the message (the launch's segment, a tensor's storage shared in
+    place), at which offset."""
 
-    size: int
-    spans: list[tuple[int, int]]  # (offset, length) per buffer, in pickling order
+    sizes: list[int]  # bytes of each file, in the order of the message's descriptors
+    spans: list[tuple[int, int, int]]  # (file, offset, length) per buffer, in pickling order
 
 
 class Job(NamedTuple):

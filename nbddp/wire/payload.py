@@ -25,6 +25,7 @@ from typing import Any
 import cloudpickle
 
 from nbddp.errors import SerializationError
+from nbddp.wire import in_place
 from nbddp.wire.culprit import locate_unpicklable
 
 PROTOCOL = 5
@@ -37,7 +38,9 @@ class TransferPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle 
     With a ``buffer_callback``, a dense tensor's bytes are not copied into the pickle stream:
     they travel as an out-of-band buffer that views the tensor's own memory. ``to_devices``
     (a launch's call, on its way to the ranks): a tensor that was on a GPU is rebuilt on each
-    rank's own device (``nbddp.device()``), not on the kernel's GPU.
+    rank's own device (``nbddp.device()``), not on the kernel's GPU. ``in_place_min``: a CPU
+    tensor of at least that many bytes has its storage shared in place (``in_place.py``) and
+    its buffer is listed in ``placed``, by ``id``, with where it sits in the storage's file.
     """
 
     def __init__(
@@ -45,11 +48,14 @@ class TransferPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle 
         file: Any,
         buffer_callback: Callable[[Any], Any] | None = None,
         to_devices: bool = False,
+        in_place_min: int | None = None,
     ) -> None:
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
         self._out_of_band = buffer_callback is not None
         self._to_devices = to_devices
+        self._in_place_min = in_place_min
         self.modules: set[str] = set()  # of the functions, classes and modules pickled
+        self.placed: dict[int, tuple[int, int, int]] = {}  # id(buffer): (fd, size, offset)
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, types.ModuleType):
@@ -62,12 +68,24 @@ class TransferPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle 
                 moved = obj.device.type not in ("cpu", "meta")
                 tensor = _cpu_copy(torch, obj) if moved else obj
                 if self._out_of_band and _is_plain_dense(torch, tensor):
-                    return _tensor_as_buffer(torch, tensor, moved and self._to_devices)
+                    where = self._in_place(tensor) if not moved else None  # first: it moves
+                    reduced = _tensor_as_buffer(torch, tensor, moved and self._to_devices)
+                    if where is not None:
+                        self.placed[id(reduced[1][0])] = where
+                    return reduced
                 if moved:
                     return tensor.__reduce_ex__(PROTOCOL)
             elif isinstance(obj, torch.nn.parallel.DistributedDataParallel):
                 return _identity, (obj.module,)
         return super().reducer_override(obj)
+
+    def _in_place(self, tensor: Any) -> tuple[int, int, int] | None:
+        if self._in_place_min is None or tensor.nbytes < self._in_place_min:
+            return None
+        found = in_place.storage_file(tensor)
+        if found is None:
+            return None
+        return (*found, tensor.storage_offset() * tensor.element_size())
 
 
 def _is_plain_dense(torch: Any, tensor: Any) -> bool:

@@ -12,6 +12,9 @@ view the shared pages without a copy; a rank that writes to a captured tensor ge
 copies of the pages it writes, so no other rank and not the notebook sees the change. The
 kernel does not map the segment at all.
 
+A tensor whose storage was shared in place (``in_place.py``) is not copied here: its storage's
+own file rides on the message beside the segment, mapped the same way.
+
 Non-goal: sharing what ranks create themselves; only what travels with the call.
 """
 
@@ -39,7 +42,8 @@ class Segment:
         for buffer in buffers:
             spans.append((offset, buffer.nbytes))
             offset += -(-buffer.nbytes // _ALIGN) * _ALIGN
-        self.layout = SharedLayout(offset, spans)
+        self.spans = spans  # (offset, length) of each buffer
+        self.size = offset
         self.fd = os.memfd_create("nbddp-data", os.MFD_CLOEXEC)
         try:
             os.posix_fallocate(self.fd, 0, max(offset, 1))  # the pages at once, not one by one
@@ -54,8 +58,9 @@ class Segment:
             raise
 
     @property
-    def size(self) -> int:
-        return self.layout.size
+    def layout(self) -> SharedLayout:
+        """The segment alone: every buffer in it (the message's one descriptor)."""
+        return SharedLayout([self.size], [(0, start, length) for start, length in self.spans])
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -64,16 +69,23 @@ class Segment:
             self.fd = -1
 
 
-def map_buffers(fd: int, layout: SharedLayout) -> list[Any]:
-    """A rank's view of the segment: one writable, copy-on-write buffer per span. The mapping
-    lives as long as a buffer (and the tensors rebuilt on it) does; ``fd`` is closed."""
+def map_buffers(fds: Sequence[int], layout: SharedLayout) -> list[Any]:
+    """A rank's view of the shared files: one writable, copy-on-write buffer per span. A
+    mapping lives as long as a buffer (and the tensors rebuilt on it) does; ``fds`` (one per
+    file of the layout) are closed."""
+    wholes: list[memoryview | None] = []
     try:
-        if layout.size == 0:
-            return [bytearray(0) for _ in layout.spans]
-        mapping = mmap.mmap(
-            fd, layout.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
+        for fd, size in zip(fds, layout.sizes, strict=True):
+            if size == 0:
+                wholes.append(None)
+                continue
+            flags, prot = mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
+            wholes.append(memoryview(mmap.mmap(fd, size, flags=flags, prot=prot)))
     finally:
-        os.close(fd)
-    whole = memoryview(mapping)
-    return [whole[start : start + length] for start, length in layout.spans]
+        for fd in fds:
+            os.close(fd)
+    buffers: list[Any] = []
+    for file, start, length in layout.spans:
+        whole = wholes[file]
+        buffers.append(bytearray(0) if whole is None else whole[start : start + length])
+    return buffers

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 NONCE = 32
 _HEAD = struct.Struct("!IIQ")  # buffers, fds, pickle length
 _SIZE = struct.Struct("!Q")
-_MAX_FDS = 4
+_MAX_FDS = 253  # Linux's most per message (SCM_MAX_FD)
 _PIECE = 1 << 20  # bytes read per recv into a buffer
 _MAPPED = 1 << 20  # buffers this large arrive into a mapping of their own
 HANDSHAKE_TIMEOUT = 10.0
