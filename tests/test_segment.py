@@ -5,6 +5,7 @@ ends."""
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import signal
@@ -232,6 +233,7 @@ def test_total_memory_grows_by_the_data_once_not_per_rank(monkeypatch, in_place)
     monkeypatch.setenv("NBDDP_SHARE_IN_PLACE", "1" if in_place else "0")
     size = 256 * 2**20
     CAPTURED = None
+    gc.collect()  # an earlier test's data, held by a reference cycle, would count in `empty`
     empty = nbddp.notebook_launch(pss_of_the_run, (os.getpid(),), **TWO_CPU_QUIET)
     CAPTURED = torch.ones(size // 4)
     try:

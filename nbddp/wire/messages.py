@@ -230,9 +230,7 @@ RankEvent = Received | Ended | Started | Printed | NodeLost
 
 
 class SharedLayout(NamedTuple):
-    """Where each out-of-band buffer of the call sits: in which of the shared memory files
-    whose descriptors ride on the message (the launch's segment, a tensor's storage shared in
-    place), at which offset."""
+    """Where each out-of-band buffer sits: which shared file the message carries, what offset."""
 
     sizes: list[int]  # bytes of each file, in the order of the message's descriptors
     spans: list[tuple[int, int, int]]  # (file, offset, length) per buffer, in pickling order
