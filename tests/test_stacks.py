@@ -378,3 +378,13 @@ def test_the_watch_waits_while_a_rank_burns_cpu_or_starts_and_shows_the_banner_w
         time.sleep(1.5)
         watch.cancel()
         assert bool(shown) is (case == "stalled"), case
+
+
+def test_a_bad_stall_after_in_the_magic_is_a_usage_error(kernel):
+    kernel.run("%load_ext nbddp")
+    out, reply = kernel.run("%%ddp -n 2 --device cpu --stall-after soon\npass\n")
+    assert reply["status"] == "error"
+    assert "--stall-after" in out and "soon" in out, out
+    out, reply = kernel.run("%%ddp -n 2 --device cpu --stall-after -3\npass\n")
+    assert reply["status"] == "error"
+    assert "stall_after=-3.0 must be a positive number" in out, out
