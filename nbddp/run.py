@@ -190,11 +190,10 @@ class Run:
         if self._outcome.error is not None:
             raise self._outcome.error.with_traceback(None)  # fresh each time: no frames pile up
         if self._outcome.status == "stopped":
-            raise RunStopped()
+            raise RunStopped(self._stop_stacks)
         if self._outcome.warning is not None and not self._warned:
             self._warned = True  # once per run, wherever its result is asked for
             warn_always(self._outcome.warning)
-            raise RunStopped(self._stop_stacks)
         return self._outcome.value
 
     @property
