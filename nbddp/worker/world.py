@@ -46,7 +46,10 @@ class World:
 
     def build(self, backend: str | None = None, **options: Any) -> None:
         """A default group on nbddp's store; each build under its own key prefix, so a group
-        built after a destroy never reads the keys of the one before."""
+        built after a destroy never reads the keys of the one before. It returns once every
+        rank has built it: gloo can finish connecting on one rank while a peer still is, and a
+        rank that destroyed the group at once (or a quick ``fn`` and a ``cleanup()``) would
+        then break the peer's connecting with "Connection closed by peer"."""
         from torch.distributed.distributed_c10d import PrefixStore
 
         prefix = "default_pg" if self.builds == 0 else f"nbddp-{self.builds}/default_pg"
@@ -58,6 +61,10 @@ class World:
             world_size=self.world_size,
             **options,
         )
+        built = PrefixStore(f"nbddp-built-{self.builds}", self.store)
+        if built.add("count", 1) == self.world_size:  # the last to get here tells the others
+            built.set("all", "1")
+        built.wait(["all"])
 
 
 _world: World | None = None
