@@ -1,6 +1,7 @@
 """Launch latency of a trivial all_reduce on 2 CPU ranks, one launcher per fresh process.
 
-    python benchmarks/launchers.py METHOD REPEATS   -> prints {"first": s, "repeated": [s, ...]}
+    python benchmarks/launchers.py METHOD REPEATS [PAUSE]
+        -> prints {"first": s, "repeated": [s, ...]}; PAUSE: seconds between launches (0)
 
 Methods: nbddp-warm, nbddp-cold, accelerate (its fork-based ``notebook_launcher``), fabric
 (Lightning Fabric's fork-based ``ddp_notebook`` strategy), mp-fork (a bare
@@ -59,7 +60,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(method: str, repeats: int) -> None:
+def main(method: str, repeats: int, pause: float = 0.0) -> None:
     if method == "nbddp-cold":
         os.environ["NBDDP_PREWARM"] = "0"
     if method.startswith("nbddp"):
@@ -102,8 +103,9 @@ def main(method: str, repeats: int) -> None:
         started = time.perf_counter()
         launch()
         times.append(time.perf_counter() - started)
+        time.sleep(pause)
     print("RESULT " + json.dumps({"first": times[0], "repeated": times[1:]}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
