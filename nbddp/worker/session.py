@@ -108,6 +108,9 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     conn.send(Joined(rank))
     integrations.install(spec.output)
     skip_import_finalizers()
+    # Ray starts its processes with SIGINT blocked (services.py), and a node's ranks inherit the
+    # mask: unblocked, an Interrupt reaches the task on a cluster as it does here
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, busy.on_sigint)
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     reporter = collectives.Reporter(rank)
