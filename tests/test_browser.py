@@ -125,6 +125,22 @@ nbddp.notebook_launch(train, num_workers=2, device="cpu")
 """
 
 
+STALL_CELL = """\
+import time
+import nbddp
+import torch.distributed as dist
+
+def train():
+    t = torch.ones(3)
+    if nbddp.rank() != 1:
+        dist.all_reduce(t)
+    dist.barrier()
+
+import torch
+nbddp.notebook_launch(train, num_workers=3, device="cpu", stall_after=3, timeout=40)
+"""
+
+
 @pytest.fixture(params=["with widgets"])
 def jupyterlab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     yield from _jupyterlab(tmp_path, widgets=request.param == "with widgets")
@@ -142,6 +158,7 @@ def _jupyterlab(tmp_path: Path, widgets: bool) -> Iterator[tuple[str, Path]]:
     (tmp_path / "live.ipynb").write_text(_notebook(CELL))
     (tmp_path / "hf.ipynb").write_text(_notebook(HF_CELL))
     (tmp_path / "rich.ipynb").write_text(_notebook(RICH_CELL))
+    (tmp_path / "stall.ipynb").write_text(_notebook(STALL_CELL))
     if not widgets:
         labconfig = tmp_path / "config" / "labconfig"
         labconfig.mkdir(parents=True)
@@ -324,5 +341,33 @@ def test_an_hf_trainer_shows_its_bar_and_metrics_in_the_panel(jupyterlab: tuple[
             _keep(shot, "hf-trainer.png")
             page.wait_for_selector(".nbddp-summary", timeout=120_000)
             assert "done" in page.inner_text(".nbddp-summary")
+        finally:
+            browser.close()
+
+
+@pytest.mark.slow
+def test_the_stall_banner_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
+    """A rank that skips an all_reduce: the panel shows the roll-call by itself."""
+    reason = _missing()
+    if reason:
+        pytest.skip(f"browser test cannot run here: {reason}")
+    from playwright.sync_api import sync_playwright
+
+    url, folder = jupyterlab
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            _open_and_run(page, url.format(notebook="stall.ipynb"))
+            page.wait_for_selector(".nbddp-panel .nbddp-stall", timeout=90_000)
+            banner = page.inner_text(".nbddp-panel .nbddp-stall")
+            assert "rank 1 is the odd one out" in banner, banner
+            assert "ranks 0, 2 wait in all_reduce" in banner and "Cell In[1], line 8" in banner
+            shot = folder / "stall-banner.png"
+            page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
+            _keep(shot, "stall-banner.png")
+            page.wait_for_selector(".nbddp-summary .nbddp-stall", timeout=90_000)
         finally:
             browser.close()
