@@ -81,6 +81,10 @@ def train(how: str) -> float:
         model = nbddp.prepare_model(net)
     elif how == "compiled":
         model = torch.compile(nbddp.prepare_model(net), backend="eager")
+    elif how == "fsdp2":  # sharded: not fingerprinted, its collectives are counted
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(net)
     elif how == "module":  # the classic: wrapped, but the unwrapped module is trained
         nbddp.prepare_model(net)
         model = net
@@ -95,10 +99,10 @@ def train(how: str) -> float:
         optimizer.step()
     if how == "ddp":
         dist.destroy_process_group()  # the check does not need the group at the end
-    return float(loss)
+    return float(loss.detach())
 
 
-@pytest.mark.parametrize("how", ["ddp", "compiled"])
+@pytest.mark.parametrize("how", ["ddp", "compiled", "fsdp2"])
 def test_one_ddp_job_gets_no_warning(how):
     _, run = run_quietly(train, how)  # -W error: a warning here would fail the test
     assert run.warning is None
