@@ -125,7 +125,9 @@ def dumps_call(
 
     stream = io.BytesIO()
     in_place_min = shared.OUT_OF_BAND_MIN if segment and in_place.enabled() else None
-    pickler = TransferPickler(stream, out_of_band, to_devices=True, in_place_min=in_place_min)
+    pickler = TransferPickler(
+        stream, out_of_band, to_devices=True, in_place_min=in_place_min, in_place_max=MAX_PLACED
+    )
     try:
         pickler.dump((fn, args, kwargs))
     except Exception as exc:

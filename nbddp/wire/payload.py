@@ -39,7 +39,8 @@ class TransferPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle 
     they travel as an out-of-band buffer that views the tensor's own memory. ``to_devices``
     (a launch's call, on its way to the ranks): a tensor that was on a GPU is rebuilt on each
     rank's own device (``nbddp.device()``), not on the kernel's GPU. ``in_place_min``: a CPU
-    tensor of at least that many bytes has its storage shared in place (``in_place.py``) and
+    tensor of at least that many bytes has its storage shared in place (``in_place.py``; at
+    most ``in_place_max`` storages) and
     its buffer is listed in ``placed``, by ``id``, with where it sits in the storage's file.
     """
 
@@ -49,11 +50,14 @@ class TransferPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle 
         buffer_callback: Callable[[Any], Any] | None = None,
         to_devices: bool = False,
         in_place_min: int | None = None,
+        in_place_max: int = 0,
     ) -> None:
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
         self._out_of_band = buffer_callback is not None
         self._to_devices = to_devices
         self._in_place_min = in_place_min
+        self._in_place_max = in_place_max  # storages, at most; the others are copied
+        self._storages: set[int] = set()
         self.modules: set[str] = set()  # of the functions, classes and modules pickled
         self.placed: dict[int, tuple[int, int, int]] = {}  # id(buffer): (fd, size, offset)
 
@@ -82,6 +86,10 @@ class TransferPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle 
     def _in_place(self, tensor: Any) -> tuple[int, int, int] | None:
         if self._in_place_min is None or tensor.nbytes < self._in_place_min:
             return None
+        storage = tensor.untyped_storage()._cdata  # the same storage, however many views
+        if storage not in self._storages and len(self._storages) >= self._in_place_max:
+            return None  # not moved at all: copied with the rest
+        self._storages.add(storage)
         found = in_place.storage_file(tensor)
         if found is None:
             return None
