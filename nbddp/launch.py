@@ -185,15 +185,7 @@ def launch_plan(
     backend, name = _backend_for(fn, args, kwargs, plan, names)
     run = Run(plan, backend, name)
     remember(run)
-    try:  # an interrupt at any point from here on ends the ranks before it is raised
-        run.start()
-        if not plan.block:
-            return run
-        run.wait()
-    except KeyboardInterrupt as interrupt:
-        stop_despite_interrupts(run, interrupt)
-        raise
-    return run.result()
+    return run.drive(plan.block)
 
 
 def _backend_for(
@@ -213,16 +205,3 @@ def _backend_for(
         return RayWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
     call = dumps_call(fn, args, kwargs, names)  # SerializationError before any process
     return LocalWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
-
-
-def stop_despite_interrupts(run: Run, interrupt: KeyboardInterrupt | None = None) -> None:
-    """A second Ctrl-C must not leave ranks behind: keep waiting for the teardown. A run that
-    had stalled gives ``interrupt`` its roll-call (``interrupt.stacks``)."""
-    while True:
-        try:
-            run.stop()
-            break
-        except KeyboardInterrupt:
-            continue
-    if interrupt is not None:
-        interrupt.stacks = run.stacks_at_stop  # type: ignore[attr-defined]

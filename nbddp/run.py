@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nbddp import interrupts
@@ -168,6 +169,39 @@ class Run:
     def duration(self) -> float:
         """Seconds since the launch, or its whole length once it ended."""
         return self._state.elapsed
+
+    def drive(self, block: bool, ended: Callable[[str | None], None] | None = None) -> Any:
+        """The one start-and-wait of every launch path (a launch, a session's task): start,
+        then return this handle (``block=False``) or wait and return the result. An interrupt
+        at any point ends the ranks before it is raised. ``ended(why)`` is told once the ranks
+        stopped after an interrupt (``why`` "the interrupt") or once a blocking run ended
+        (``None``), before its result is read: a session replaces ranks it lost there."""
+        __tracebackhide__ = True  # IPython: show the user's frames, not ours
+        try:
+            self.start()
+            if not block:
+                return self
+            self.wait()
+        except KeyboardInterrupt as interrupt:
+            self.stop_despite_interrupts(interrupt)
+            if ended is not None:
+                ended("the interrupt")
+            raise
+        if ended is not None:
+            ended(None)
+        return self.result()
+
+    def stop_despite_interrupts(self, interrupt: KeyboardInterrupt | None = None) -> None:
+        """A second Ctrl-C must not leave ranks behind: keep waiting for the teardown. A run
+        that had stalled gives ``interrupt`` its roll-call (``interrupt.stacks``)."""
+        while True:
+            try:
+                self.stop()
+                break
+            except KeyboardInterrupt:
+                continue
+        if interrupt is not None:
+            interrupt.stacks = self.stacks_at_stop  # type: ignore[attr-defined]
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the run ended or ``timeout`` seconds passed; True if it ended."""

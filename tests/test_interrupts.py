@@ -31,20 +31,26 @@ def returns_a_big_tensor(mib: int):
 def interrupted(delay: float, launch) -> bool:
     """Run ``launch`` with a SIGINT ``delay`` seconds in; True if it raised KeyboardInterrupt.
     An interrupt that lands after the launch returned is swallowed here, as a user's next
-    cell would be interrupted instead."""
-    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
-    try:
-        timer.start()
+    cell would be interrupted instead. One that lands before the launch was called (inside
+    ``timer.start()`` on a loaded machine) tests nothing: that delay is tried again."""
+    while True:
+        called = False
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
         try:
-            launch()
+            timer.start()
+            called = True
+            try:
+                launch()
+            except KeyboardInterrupt:
+                return True
+            time.sleep(delay + 0.5)  # let a late interrupt land here
+            return False
         except KeyboardInterrupt:
-            return True
-        time.sleep(delay + 0.5)  # let a late interrupt land here
-        return False
-    except KeyboardInterrupt:
-        return False
-    finally:
-        timer.join()
+            if not called:
+                continue
+            return False
+        finally:
+            timer.join()
 
 
 def assert_next_launch_works() -> None:

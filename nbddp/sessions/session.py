@@ -25,7 +25,7 @@ from typing import Any
 
 from nbddp.backend import Finish, RunEvents
 from nbddp.errors import NbddpError, WorkerError, warn_user
-from nbddp.launch import check_call, stop_despite_interrupts
+from nbddp.launch import check_call
 from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan, with_run_options
 from nbddp.rules.task_referee import TaskReferee, TaskVerdict, restart_cause, restart_note, trigger
 from nbddp.run import Run, remember
@@ -217,18 +217,14 @@ class Session:
         run = Run(plan, task, ranks.device_name)
         remember(run)
         self._active = run
-        try:
-            run.start()
-            if not plan.block:
-                return run
-            run.wait()
-        except KeyboardInterrupt as interrupt:
-            stop_despite_interrupts(run, interrupt)
-            self._replace_if_lost(task, "the interrupt")
-            raise
-        if task.verdict is not None:
-            self._replace_if_lost(task, trigger(task.verdict.outcome))
-        return run.result()
+
+        def ended(why: str | None) -> None:  # the ranks a task lost are replaced at once
+            if why is not None:
+                self._replace_if_lost(task, why)
+            elif task.verdict is not None:
+                self._replace_if_lost(task, trigger(task.verdict.outcome))
+
+        return run.drive(plan.block, ended)
 
     # -- the ranks' life -----------------------------------------------------------------------
 
