@@ -262,9 +262,15 @@ def test_a_ddp_cell_runs_on_the_cluster_from_a_kernel(cluster, kernel_factory):
             "import torch, torch.distributed as dist\n"
             "total = torch.tensor([float(base + nbddp.rank())])\n"
             "dist.all_reduce(total)\n"
-            "where = os.environ['GROUP_RANK']"
+            "where = os.environ['GROUP_RANK']\n"
+            "from IPython.display import HTML\n"
+            "print('before')\n"
+            "display(HTML('<b>from the cluster</b>'))\n"
+            "print('after')"
         )
         assert reply["status"] == "ok", out
+        # rank 0's rich output comes back through its node, in order with its text
+        assert "before\n<b>from the cluster</b>\nafter\n" in out, out
         out, _ = kernel.run("print(total.item(), where, nbddp.last_run().nodes)")
         assert out.strip() == f"{2 * base + 1}.0 0 ('{NODE_IP}', '{NODE_IP}')"
     finally:
