@@ -74,6 +74,10 @@ def nothing_left(request):
         return
     from ray.util import placement_group_table
 
+    from nbddp.clusters.ray import cluster as ray_cluster
+
+    for kept in {ray_cluster._default, *ray_cluster._by_address.values()} - {None}:
+        kept.release_reservations()  # a launch's is kept a few seconds for the next one
     states = {p["state"] for p in placement_group_table().values()}
     assert states <= {"REMOVED"}, f"placement groups left: {states}"
 
@@ -217,6 +221,17 @@ def _a_module_only_in_the_kernel():
 
 def _uses(module):
     return lambda: module.VALUE
+
+
+def test_a_launch_right_after_another_starts_on_its_reservation(cluster):
+    from ray.util import placement_group_table
+
+    assert nbddp.notebook_launch(abs, (-1,), **RAY, num_workers=2) == 1
+    kept = {k for k, p in placement_group_table().items() if p["state"] == "CREATED"}
+    assert len(kept) == 1  # kept for the next launch
+    assert nbddp.notebook_launch(abs, (-2,), **RAY, num_workers=2) == 2
+    now = {k for k, p in placement_group_table().items() if p["state"] == "CREATED"}
+    assert now == kept  # the same one, not a new reservation
 
 
 def test_the_default_cluster_is_used_by_later_launches(cluster):

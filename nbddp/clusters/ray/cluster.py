@@ -19,6 +19,7 @@ import threading
 from typing import Any, Literal, NamedTuple
 
 _lock = threading.Lock()
+KEEP_RESERVATION = 5.0  # seconds a launch's reservation waits, idle, for the next launch
 _default: RayCluster | None = None
 _by_address: dict[str, RayCluster] = {}
 
@@ -49,6 +50,52 @@ class RayCluster:
         self._helpers: dict[str, Any] = {}
         self._infos: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
+        self._kept: dict[Any, tuple[Any, threading.Timer]] = {}  # shape: (placement, its end)
+
+    def take_reservation(self, shape: Any) -> Any:
+        """The placement group the last launch of this ``shape`` left (None if none): a new
+        one made right after the last one's removal waits 0.5-1 s in Ray for the released
+        resources, a kept one is ready. Reservations of other shapes go now: they would hold
+        what this one needs."""
+        with self._lock:
+            kept = self._kept.pop(shape, None)
+            others = list(self._kept.values())
+            self._kept = {}
+        for placement, timer in others:
+            timer.cancel()
+            _remove(placement)
+        if kept is None:
+            return None
+        kept[1].cancel()
+        return kept[0]
+
+    def keep_reservation(self, shape: Any, placement: Any) -> None:
+        """Keep a launch's placement group for the next launch of its shape, for
+        ``KEEP_RESERVATION`` seconds: then it goes, and the cluster's resources are free."""
+        timer = threading.Timer(KEEP_RESERVATION, self._release, (shape, placement))
+        timer.daemon = True
+        with self._lock:
+            old = self._kept.pop(shape, None)
+            self._kept[shape] = (placement, timer)
+        if old is not None:
+            old[1].cancel()
+            _remove(old[0])
+        timer.start()
+
+    def release_reservations(self) -> None:
+        """Remove every kept placement group now."""
+        with self._lock:
+            kept, self._kept = list(self._kept.values()), {}
+        for placement, timer in kept:
+            timer.cancel()
+            _remove(placement)
+
+    def _release(self, shape: Any, placement: Any) -> None:
+        with self._lock:
+            if self._kept.get(shape, (None,))[0] is not placement:
+                return
+            del self._kept[shape]
+        _remove(placement)
 
     def __repr__(self) -> str:
         where = self.address or "the connected cluster"
@@ -125,6 +172,16 @@ class RayCluster:
         with self._lock:
             self._helpers.pop(node_id, None)
             self._infos.pop(node_id, None)
+
+
+def _remove(placement: Any) -> None:
+    import contextlib
+
+    from ray.exceptions import RayError
+    from ray.util import remove_placement_group
+
+    with contextlib.suppress(RayError, ConnectionError):
+        remove_placement_group(placement)
 
 
 def set_cluster(cluster: str | RayCluster | None) -> None:

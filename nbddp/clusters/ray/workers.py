@@ -15,7 +15,9 @@ Per launch:
 4. one thread long-polls every node (``ray.wait`` on one poll per node) and feeds what they
    forward to the same :class:`~nbddp.rules.referee.Referee` a local launch has; a helper that dies
    (its node lost) is a failure of that node's ranks;
-5. teardown: every node ends its ranks (TERM, grace, KILL, strays), the placement group goes;
+5. teardown: every node ends its ranks (TERM, grace, KILL, strays); the placement group is
+   kept a few seconds for the next launch of the same shape (``RayCluster.keep_reservation``:
+   Ray readies a new one made right after a removal only 0.5-1 s later), then goes;
    ``ray.kill`` is the backstop for a helper that does not answer.
 """
 
@@ -52,6 +54,8 @@ class RayWorkers:
         self._cluster = cluster
         self._run_id = new_run_id()
         self._placement: Any = None
+        self._shape: Any = None
+        self._intact = True  # no node lost, no helper killed: the reservation can be kept
         self._node_ids: list[str] = []
         self._helpers: list[Any] = []
         self.nodes: tuple[str, ...] = ()
@@ -147,7 +151,8 @@ class RayWorkers:
 
         plan = self.plan
         unit = "GPU" if plan.device == "cuda" else "CPU"
-        self._placement = placement_group(
+        self._shape = (plan.nodes, plan.workers_per_node, unit)
+        self._placement = self._cluster.take_reservation(self._shape) or placement_group(
             [{unit: plan.workers_per_node}] * plan.nodes, strategy="STRICT_SPREAD"
         )
         deadline = time.monotonic() + RESERVE_WAIT
@@ -275,6 +280,7 @@ class RayWorkers:
     def _lost(self, judge: Any, node_rank: int, error: Exception) -> None:
         per_node = self.plan.workers_per_node
         address = self.nodes[node_rank]
+        self._intact = False
         self._cluster.forget(self._node_ids[node_rank])
         first = node_rank * per_node
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -298,15 +304,20 @@ class RayWorkers:
                 try:
                     ray.get(ref)
                 except RayError:
+                    self._intact = False
                     self._cluster.forget(self._node_ids[stops[ref]])
             for ref in pending:  # the backstop: a helper that does not answer goes
+                self._intact = False
                 node_rank = stops[ref]
                 ray.kill(self._helpers[node_rank])
                 self._cluster.forget(self._node_ids[node_rank])
         self._started.clear()
         if self._placement is not None:
-            with contextlib.suppress(RayError, GetTimeoutError):
-                remove_placement_group(self._placement)
+            if self._intact:  # the next launch of this shape starts on it at once
+                self._cluster.keep_reservation(self._shape, self._placement)
+            else:
+                with contextlib.suppress(RayError, GetTimeoutError):
+                    remove_placement_group(self._placement)
             self._placement = None
         if self._call is not None:
             self._call.close()
