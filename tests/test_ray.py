@@ -438,3 +438,31 @@ def test_a_stalled_launch_on_two_nodes_names_the_odd_rank(cluster, hog):
     assert re.search(rf"rank 1 is at \S*test_ray\.py:\d+ {re.escape(waits)}", rollcall), stacks
     if hog:
         assert "faulthandler" in str(stacks)
+
+
+def write_at_exit(path: str) -> int:
+    import atexit
+
+    import nbddp
+
+    rank = nbddp.rank()
+
+    def write() -> None:
+        with open(f"{path}.{rank}", "w") as f:
+            f.write("ran")
+
+    atexit.register(write)
+    return rank
+
+
+def test_exit_handlers_run_on_every_node_after_a_launch_and_a_session(cluster, tmp_path):
+    """A rank that ended normally runs its exit handlers on its node too (worker/exiting.py):
+    after a launch, and at a session's close()."""
+    launched = str(tmp_path / "launched")
+    assert nbddp.notebook_launch(write_at_exit, (launched,), **RAY) == 0
+    assert sorted(os.listdir(tmp_path)) == ["launched.0", "launched.1"]
+    closed = str(tmp_path / "closed")
+    with nbddp.Session(cluster="ray", device="cpu") as session:
+        session.run(write_at_exit, (closed,), display="none")
+        assert not os.path.exists(f"{closed}.0")  # the ranks are still up
+    assert os.path.exists(f"{closed}.0") and os.path.exists(f"{closed}.1")

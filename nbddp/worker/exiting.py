@@ -23,6 +23,7 @@ the exit before ``fn`` runs.
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
 import os
@@ -72,7 +73,8 @@ class _Exit:
         self._excepthook = sys.excepthook
 
     def run(self) -> NoReturn:
-        threading.Thread(target=self._watch, name="nbddp-exit", daemon=True).start()
+        # not threading.Thread: its start() waits until the new thread runs (ms under load)
+        _thread.start_new_thread(self._watch, ())
         # What the interpreter's exit runs first: threading's exit callbacks (executors join
         # their workers), then it waits for the non-daemon threads.
         threading._shutdown()  # type: ignore[attr-defined]
