@@ -17,6 +17,8 @@ from nbddp.wire.messages import (
     Ended,
     ErrorReport,
     Failed,
+    GroupCount,
+    Issued,
     Joined,
     NodeLost,
     Received,
@@ -214,16 +216,30 @@ def test_a_rank_that_dies_in_a_task_leaves_the_others_only_SETTLE():
     assert verdict is not None and verdict.died == (1,) and verdict.stuck == (0,)
 
 
+def issued(rank: int, count: int) -> Received:
+    """Rank ``rank`` issued ``count`` collectives on the default group of two."""
+    return Received(rank, Issued(rank, (GroupCount("0", (0, 1), count),)), [])
+
+
 @pytest.mark.parametrize(
-    ("answered", "kept"),
-    [(True, "kept their state"), (False, "the state on the ranks is lost")],
+    ("answered", "counts", "kept"),
+    [
+        # back to idle, every collective matched: the ranks and their state stay
+        (True, (3, 3), "kept their state"),
+        # back to idle, but rank 0 issued one rank 1 never did: out of step, fresh ranks
+        (True, (4, 3), "the state on the ranks is lost"),
+        # still inside a collective after the grace: stuck, fresh ranks
+        (False, (3, 3), "the state on the ranks is lost"),
+    ],
 )
-def test_a_task_timeout_interrupts_and_says_whether_the_state_survived(answered, kept):
+def test_a_task_timeout_interrupts_and_says_whether_the_state_survived(answered, counts, kept):
     clock = Clock()
     judge = task(clock, timeout=3.0)
     clock.now += 3.0
     assert judge.verdict() is None  # interrupted now; the grace begins
     assert judge.interrupts == [1]  # type: ignore[attr-defined]
+    judge.event(issued(0, counts[0]))
+    judge.event(issued(1, counts[1]))
     if answered:
         judge.event(failed(0))
         judge.event(failed(1))
@@ -232,6 +248,7 @@ def test_a_task_timeout_interrupts_and_says_whether_the_state_survived(answered,
     verdict = judge.verdict()
     assert isinstance(verdict.outcome.error, LaunchTimeout)
     assert kept in str(verdict.outcome.error)
+    assert verdict.lost == (kept != "kept their state")
 
 
 def test_a_stopped_task_is_stopped_once_the_ranks_answered():
