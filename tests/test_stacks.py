@@ -18,7 +18,13 @@ ROLLCALL = (
     "        break\n"
     "    time.sleep(0.3)\n"
     "print(s)\n"
+    "print('status:', run.status)\n"
     "run.stop()\n"
+    "if run.status == 'failed':\n"
+    "    try:\n"
+    "        run.result()\n"
+    "    except Exception as error:\n"
+    "        print('error:', error)\n"
 )
 
 
@@ -40,6 +46,9 @@ def rollcall_of(kernel, fn: str, until: list[str], n: int = 2, extra: str = "") 
 
 
 def test_a_rank_that_skips_an_all_reduce_is_named_with_both_lines(kernel):
+    """Rank 1 takes another branch and waits there; ranks 0 and 2 wait for it in all_reduce.
+    (A rank that meets a different collective instead is the next test's: gloo may abort on
+    the mismatched messages rather than wait, so it is not used with three ranks here.)"""
     n = define(
         kernel,
         "import torch.distributed as dist\n"
@@ -47,15 +56,16 @@ def test_a_rank_that_skips_an_all_reduce_is_named_with_both_lines(kernel):
         "    t = torch.ones(3)\n"
         "    if nbddp.rank() != 1:\n"
         "        dist.all_reduce(t)\n"
-        "    dist.barrier()\n",
+        "    else:\n"
+        "        time.sleep(600)\n",
     )
-    out = rollcall_of(kernel, "skipping", ["is not the same"], n=3)
+    out = rollcall_of(kernel, "skipping", ["time.sleep", "waits in"], n=3)
     assert re.search(
         rf"ranks 0, 2 wait in all_reduce \(#\d+, \[3\]\) at Cell In\[{n}\], line 5", out
     ), out
-    assert re.search(rf"rank 1 waits in barrier \(#\d+\) at Cell In\[{n}\], line 6", out), out
+    assert f"rank 1 is at Cell In[{n}], line 7 in time.sleep(600)" in out, out
     assert "rank 1 is the odd one out" in out
-    assert "is not the same on every rank" in out  # the flight recorder's word
+    assert re.search(r"rank 1 never entered all_reduce #\d+", out), out  # the flight recorder
     assert "nbddp/" not in out  # nbddp's own frames are hidden
 
 
