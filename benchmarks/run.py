@@ -319,9 +319,13 @@ def main() -> None:
     only = None
     if "--only" in sys.argv:
         only = set(sys.argv[sys.argv.index("--only") + 1].split(","))
-    kept = _written() if only is not None else {}
+    written = _written()
+    kept = written if only is not None else {}
     done: dict[str, str] = {}
     sections = _sections(quick)
+    titles = {title for title, _ in sections}
+    # sections other scripts wrote (an issue's own benchmark): kept as they are, after ours
+    others = {title: body for title, body in written.items() if title not in titles}
     for title, section in sections:
         number = title.split(".", 1)[0]
         if only is None or number in only or title == "Machine" or title not in kept:
@@ -330,7 +334,7 @@ def main() -> None:
             done[title] = kept[title]
         text = (
             "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n"
-            + "\n\n".join(f"## {t}\n\n{body}" for t, body in done.items())
+            + "\n\n".join(f"## {t}\n\n{body}" for t, body in {**done, **others}.items())
             + "\n"
         )
         (HERE / "RESULTS.md").write_text(text)

@@ -23,16 +23,15 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nbddp.backend import Finish, RunEvents
 from nbddp.errors import NbddpError, WorkerError, warn_user
 from nbddp.launch import check_call
 from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan, with_run_options
-from nbddp.rules.task_referee import TaskReferee, TaskVerdict, restart_cause, restart_note, trigger
+from nbddp.rules.task_referee import restart_cause, restart_note, trigger
 from nbddp.run import Run, remember
 from nbddp.sessions.ranks import SessionRanks
 from nbddp.sessions.status import SessionStatus, session_status
-from nbddp.wire import payload
-from nbddp.wire.call import Call, dumps_call
+from nbddp.sessions.task import SessionTask
+from nbddp.wire.call import Call, dumps_call, rebind_globals
 
 _current: Session | None = None
 
@@ -213,7 +212,7 @@ class Session:
 
     def _run(self, kind: str, call: Call, plan: LaunchPlan, ranks: SessionRanks) -> Any:
         __tracebackhide__ = True
-        task = _SessionTask(ranks, kind, call, plan)
+        task = SessionTask(ranks, kind, call, plan)
         run = Run(plan, task, ranks.device_name)
         remember(run)
         self._active = run
@@ -260,7 +259,7 @@ class Session:
         self._restarted = f"at {time.strftime('%H:%M:%S')}: the ranks had ended ({why})"
         return self._start_ranks()
 
-    def _replace_if_lost(self, task: _SessionTask, what: str) -> None:
+    def _replace_if_lost(self, task: SessionTask, what: str) -> None:
         """After a blocking task whose ranks were ended: fresh ranks now, and say so."""
         verdict = task.verdict
         if verdict is None or not verdict.lost:
@@ -315,45 +314,6 @@ def _close(holder: list[SessionRanks | None]) -> None:
         ranks.close()
 
 
-class _SessionTask:
-    """The :class:`~nbddp.backend.Backend` of one session task: the ranks already run."""
-
-    def __init__(self, ranks: SessionRanks, kind: str, call: Call, plan: LaunchPlan) -> None:
-        self._ranks = ranks
-        self.nodes = ranks.nodes
-        self._kind = kind
-        self._call = call
-        self._plan = plan
-        self._referee: TaskReferee | None = None
-        self._finish: Finish | None = None
-        self.verdict: TaskVerdict | None = None
-
-    def start(self, events: RunEvents, finish: Finish) -> None:
-        self._finish = finish
-        sources = payload.notebook_sources()
-        self._referee = self._ranks.run_task(
-            self._kind, self._call, sources, self._plan, events, self._done
-        )
-        events.started()
-
-    def _done(self, verdict: TaskVerdict) -> None:
-        self.verdict = verdict
-        error = verdict.outcome.error
-        if verdict.lost and isinstance(error, WorkerError):
-            error.hint = (error.hint + "\n" if error.hint else "") + restart_note(
-                verdict, trigger(verdict.outcome)
-            )
-        assert self._finish is not None
-        self._finish(verdict.outcome)
-
-    def stop(self) -> None:
-        if self._referee is not None:
-            self._ranks.stop_task(self._referee)
-
-    def ask(self, message: Any) -> None:
-        self._ranks.io.send_all(message)
-
-
 def _by_value(fn: types.FunctionType) -> bool:
     """Shipped with its globals (the notebook's functions), not imported by name."""
     import cloudpickle
@@ -373,10 +333,4 @@ def _without_names(fn: Any, names: frozenset[str]) -> Any:
     shared = names.intersection(fn.__globals__)
     if not shared:
         return fn
-    kept = {k: v for k, v in fn.__globals__.items() if k not in shared}
-    copy = types.FunctionType(fn.__code__, kept, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__qualname__ = fn.__qualname__
-    copy.__doc__ = fn.__doc__
-    copy.__dict__.update(fn.__dict__)
-    return copy
+    return rebind_globals(fn, {k: v for k, v in fn.__globals__.items() if k not in shared})

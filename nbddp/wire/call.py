@@ -288,3 +288,14 @@ def _size(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "bytes" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes:.1f} TiB"
+
+
+def rebind_globals(fn: types.FunctionType, globals_: dict[str, Any]) -> types.FunctionType:
+    """``fn`` with ``globals_`` as its globals, all else kept: how the kernel drops the names a
+    session's ranks already hold, and how a rank runs a notebook function in its namespace."""
+    copy = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__doc__ = fn.__doc__
+    copy.__dict__.update(fn.__dict__)
+    return copy

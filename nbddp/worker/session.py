@@ -26,7 +26,7 @@ import types
 from typing import Any
 
 from nbddp.wire import payload
-from nbddp.wire.call import loads_call
+from nbddp.wire.call import loads_call, rebind_globals
 from nbddp.wire.messages import (
     Close,
     Failed,
@@ -187,10 +187,7 @@ def call_in(
     for name, value in fn.__globals__.items():
         if name not in namespace and not name.startswith("__"):
             namespace[name] = added[name] = value
-    bound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
-    bound.__kwdefaults__ = fn.__kwdefaults__
-    bound.__qualname__ = fn.__qualname__
-    bound.__dict__.update(fn.__dict__)
+    bound = rebind_globals(fn, namespace)
     try:
         return bound(*args, **kwargs)
     finally:
