@@ -25,6 +25,7 @@ import cloudpickle
 
 from nbddp.errors import SerializationError
 from nbddp.wire.culprit import describe, function_children, locate_unpicklable
+from nbddp.wire.payload import check_picklable
 
 PROTOCOL = 5
 _STRINGS = frozenset(
@@ -96,21 +97,7 @@ def call_pieces(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[
 
 
 def _check(obj: Any) -> BaseException | None:
-    try:
-        ExportPickler(_Discard()).dump(obj)
-    except Exception as exc:
-        return exc
-    return None
-
-
-class _Discard(io.RawIOBase):
-    """A file that keeps nothing: pickling into it only tells whether it works."""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        return memoryview(data).nbytes
+    return check_picklable(obj, ExportPickler)
 
 
 def modules_needed(stream: bytes) -> set[str]:

@@ -231,10 +231,14 @@ def dumps_oob(obj: Any, *, what: str, root: str) -> tuple[bytes, list[memoryview
     return stream.getvalue(), buffers
 
 
-def check_picklable(obj: Any) -> BaseException | None:
-    """Would ``obj`` travel? Cheap for tensors and arrays: their bytes are not copied."""
+def check_picklable(obj: Any, pickler: type[Any] | None = None) -> BaseException | None:
+    """Would ``obj`` travel (with ``pickler``; ours by default)? Cheap for tensors and arrays:
+    their bytes are not copied."""
     try:
-        TransferPickler(_Discard(), buffer_callback=lambda b: None).dump(obj)
+        if pickler is None:
+            TransferPickler(_Discard(), buffer_callback=lambda b: None).dump(obj)
+        else:
+            pickler(_Discard()).dump(obj)
     except Exception as exc:
         return exc
     return None
