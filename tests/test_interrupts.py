@@ -31,26 +31,30 @@ def returns_a_big_tensor(mib: int):
 def interrupted(delay: float, launch) -> bool:
     """Run ``launch`` with a SIGINT ``delay`` seconds in; True if it raised KeyboardInterrupt.
     An interrupt that lands after the launch returned is swallowed here, as a user's next
-    cell would be interrupted instead. One that lands before the launch was called (inside
-    ``timer.start()`` on a loaded machine) tests nothing: that delay is tried again."""
-    while True:
-        called = False
-        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+    cell would be interrupted instead. The delay counts from just before the launch is
+    called: a timer started earlier could fire inside ``Thread.start()`` on a loaded machine,
+    where a KeyboardInterrupt breaks threading's own lock, and the test would test nothing."""
+    go = threading.Event()
+
+    def fire() -> None:
+        go.wait()
+        time.sleep(delay)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Thread(target=fire, daemon=True)
+    timer.start()  # it waits for go: no signal can come during the start
+    try:
+        go.set()
         try:
-            timer.start()
-            called = True
-            try:
-                launch()
-            except KeyboardInterrupt:
-                return True
-            time.sleep(delay + 0.5)  # let a late interrupt land here
-            return False
+            launch()
         except KeyboardInterrupt:
-            if not called:
-                continue
-            return False
-        finally:
-            timer.join()
+            return True
+        time.sleep(delay + 0.5)  # let a late interrupt land here
+        return False
+    except KeyboardInterrupt:
+        return False
+    finally:
+        timer.join()
 
 
 def assert_next_launch_works() -> None:
