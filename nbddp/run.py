@@ -80,12 +80,18 @@ class Run:
                 # The live widget shows the ranks' output in its panel, not below it.
                 self._state.panel_output = self._display.mode == "widget"
             self._runner.start(self._state, self._finish)
-            self._watch_for_stalls()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # the backend cleaned up: nothing runs, nothing will finish
             self._finish(Outcome("stopped"))
             raise
         except BaseException as exc:
             self._finish(Outcome("failed", error=exc))
+            raise
+        # The ranks run from here on, and only the backend may say they ended: an interrupt
+        # below must stop them first (finishing the run here used to leave them running).
+        try:
+            self._watch_for_stalls()
+        except BaseException:
+            self.stop_despite_interrupts()
             raise
 
     def _watch_for_stalls(self) -> None:

@@ -12,9 +12,10 @@ import time
 
 import pytest
 import torch.distributed as dist
-from conftest import TWO_CPU_QUIET
+from conftest import TWO_CPU_QUIET, running
 
 import nbddp
+from nbddp.run import Run
 from nbddp.worker import live
 
 
@@ -85,6 +86,32 @@ def test_an_interrupt_at_any_instant_leaves_the_next_launch_working(starter):
     for delay in [i * 0.006 for i in range(12)] if starter == "warm" else [1.2, 1.8]:
         interrupted(delay, lambda: nbddp.notebook_launch(abs, (-3,), **TWO_CPU_QUIET))  # to the end
         assert_next_launch_works()
+
+
+def writes_its_pid_and_sleeps(directory: str) -> None:
+    with open(os.path.join(directory, str(nbddp.rank())), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def test_an_interrupt_just_after_the_ranks_started_ends_them(monkeypatch, tmp_path):
+    """The start returned and the ranks run fn, but the launch has not begun waiting yet
+    (setting up the stall watch): the interrupt must end them, not only mark the run ended."""
+
+    def interrupted_here(self: Run) -> None:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Run, "_watch_for_stalls", interrupted_here)
+    with pytest.raises(KeyboardInterrupt):
+        nbddp.notebook_launch(writes_its_pid_and_sleeps, (str(tmp_path),), **TWO_CPU_QUIET)
+    pids = [int((tmp_path / name).read_text()) for name in os.listdir(tmp_path)]
+    assert len(pids) == 2
+    assert not [pid for pid in pids if running(pid)]  # gone when the interrupt is raised
+    monkeypatch.undo()
+    assert_next_launch_works()
 
 
 def test_an_interrupt_while_a_large_result_arrives_is_honoured_at_once():

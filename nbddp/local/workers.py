@@ -41,9 +41,9 @@ def local_group(
     session: bool = False,
 ) -> RankGroup:
     """The ranks of ``plan`` on this machine, ready to start: their torchrun environment (the
-    port of a fresh, listening rendezvous socket; the loopback interface) and their job spec."""
+    port of a fresh, listening rendezvous socket; the loopback interface) and their job spec.
+    Call it with interrupts deferred: what it opens is the group's to close once it returns."""
     starter = starter or default_starter()
-    starter.warm_up()
     run_id = new_run_id()
     loopback = interface_of("127.0.0.1")
     store = store_socket()  # listening before any rank starts: see store_socket
@@ -60,20 +60,20 @@ def local_group(
             )
             for rank in range(plan.world_size)
         }
+        spec = job_spec(
+            plan,
+            run_id,
+            device_indices(plan.gpus),
+            session,
+            sys_path=tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path),
+            cwd=os.getcwd(),
+        )
+        return RankGroup(
+            range(plan.world_size), envs, spec, call, starter, plan.output, target, store=store
+        )
     except BaseException:
         store.close()
         raise
-    spec = job_spec(
-        plan,
-        run_id,
-        device_indices(plan.gpus),
-        session,
-        sys_path=tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path),
-        cwd=os.getcwd(),
-    )
-    return RankGroup(
-        range(plan.world_size), envs, spec, call, starter, plan.output, target, store=store
-    )
 
 
 class LocalWorkers:
@@ -92,27 +92,32 @@ class LocalWorkers:
     def start(self, events: RunEvents, finish: Finish) -> None:
         """Start every rank and the loop. Cleans up if anything fails."""
         plan = self.plan
-        group = self._group = local_group(plan, self._call, self._starter, events.output)
-        self._referee = Referee(
-            plan.world_size,
-            plan.return_all,
-            plan.timeout,
-            events,
-            broadcast=group.send_all,
-            exit_timeout=plan.exit_timeout,
-        )
-        supervisor = threading.Thread(
-            target=self._supervise, args=(finish,), name="nbddp-supervisor", daemon=True
-        )
+        starter = self._starter or default_starter()
+        starter.warm_up()  # may wait for the warm helper, interruptibly: nothing is open yet
+        supervisor: threading.Thread | None = None
         try:
             with interrupts.deferred():  # an interrupt lands after the whole start (or cleanup)
+                group = self._group = local_group(plan, self._call, starter, events.output)
+                self._referee = Referee(
+                    plan.world_size,
+                    plan.return_all,
+                    plan.timeout,
+                    events,
+                    broadcast=group.send_all,
+                    exit_timeout=plan.exit_timeout,
+                )
+                supervisor = threading.Thread(
+                    target=self._supervise, args=(finish,), name="nbddp-supervisor", daemon=True
+                )
                 group.start()
                 supervisor.start()
         except BaseException:
-            if supervisor.is_alive():  # interrupted right after the start: end it all first
+            if supervisor is not None and supervisor.is_alive():  # interrupted after the start
                 self.stop()
                 with interrupts.deferred():
                     supervisor.join()
+            elif self._group is not None:  # its socket, pipes and directory; no rank runs
+                self._group.teardown()
             raise
 
     def ask(self, message: AskStacks) -> None:

@@ -23,8 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from nbddp import interrupts
 from nbddp.backend import Outcome, RunEvents, Writable
 from nbddp.errors import NbddpError, describe_exit, our_bug, warn_user
+from nbddp.local.forkserver import default_starter
 from nbddp.local.processes import Starter
 from nbddp.local.workers import local_group
 from nbddp.plan import LaunchPlan
@@ -184,7 +186,10 @@ class LocalIO:
     nodes: tuple[str, ...] = ("localhost",)
 
     def __init__(self, plan: LaunchPlan, starter: Starter | None = None) -> None:
-        self.group = local_group(plan, Call(b""), starter, session=True)
+        starter = starter or default_starter()
+        starter.warm_up()
+        with interrupts.deferred():  # the group owns what local_group opened once it returns
+            self.group = local_group(plan, Call(b""), starter, session=True)
 
     @property
     def pids(self) -> dict[int, int]:
