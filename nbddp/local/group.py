@@ -100,7 +100,7 @@ class RankGroup:
     def send_all(
         self, message: Any, fds: Sequence[int] = (), then: Callable[[], None] | None = None
     ) -> None:
-        """Send ``message`` (and ``fds``) to every connected rank, from the loop's thread;
+        """Send ``message`` (and ``fds``) to every rank that has its job, from the loop's thread;
         ``then`` runs there once it was sent (e.g. to close what the fds refer to)."""
         self._commands.put((message, fds, then))
         self._wake()
@@ -207,11 +207,12 @@ class RankGroup:
                 os.read(self._wake_r, 4096)
             while not self._commands.empty():
                 message, fds, then = self._commands.get()
+                # Only to ranks that have their job: a rank still starting waits for the job
+                # alone (a roll-call there is "did not answer": it is importing, connecting).
+                working = {c: r for c, r in self._connections.items() if r in self._sent_job}
                 if isinstance(message, AskStacks) and not message.native:  # py-spy is slow
-                    self._dumps.asked(
-                        message.query, [r for r in self._connections.values() if r is not None]
-                    )
-                for conn in list(self._connections):
+                    self._dumps.asked(message.query, list(working.values()))
+                for conn in working:
                     self._send(conn, message, list(fds))
                 if then is not None:
                     then()

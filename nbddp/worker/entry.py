@@ -22,7 +22,7 @@ import threading
 
 from nbddp.wire import payload, transport
 from nbddp.wire.call import loads_call
-from nbddp.wire.messages import SPEC, AllJoined, Failed, Hello, Job, JobSpec, Joined, Shown, Trained
+from nbddp.wire.messages import SPEC, AllJoined, Failed, Hello, JobSpec, Joined, Shown, Trained
 from nbddp.wire.stacks import AskStacks
 from nbddp.wire.transport import Connection
 from nbddp.worker import integrations, live, rich, stacks, sync_check
@@ -34,6 +34,7 @@ from nbddp.worker.setup import (
     join_process_group,
     kill_own_group,
     prepare,
+    receive_job,
     send_result,
 )
 
@@ -84,11 +85,9 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
     """Receive the job, join the process group, call fn and report; the exit code."""
     from nbddp.worker.context import installed
 
-    frame = conn.recv()
+    frame = receive_job(conn, rank)
     job, fds = frame.message, frame.fds
     del frame  # the job is held by ``job`` alone, and dropped before fn runs
-    if not isinstance(job, Job):
-        return 1
     store = fds.pop() if job.store and fds else None
     threading.Thread(
         target=_listen, args=(conn, rank, joined), name="nbddp-listener", daemon=True

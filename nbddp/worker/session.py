@@ -31,7 +31,6 @@ from nbddp.wire.messages import (
     Close,
     Failed,
     Interrupt,
-    Job,
     JobSpec,
     Joined,
     Names,
@@ -51,6 +50,7 @@ from nbddp.worker.setup import (
     join_process_group,
     kill_own_group,
     prepare,
+    receive_job,
     send_result,
 )
 
@@ -87,9 +87,7 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     rank then leaves as a launched one does after its result) or its channel."""
     from nbddp.worker.context import installed
 
-    frame = conn.recv()
-    if not isinstance(frame.message, Job):
-        return 1
+    frame = receive_job(conn, rank)
     store = frame.fds.pop() if frame.message.store and frame.fds else None
     for fd in frame.fds:  # a session's job carries no call
         os.close(fd)

@@ -1,5 +1,6 @@
-"""What every rank does, launched or in a session: adopt the notebook's paths and logging, set
-up its device, report its value, and end its whole process group when the kernel is gone."""
+"""What every rank does, launched or in a session: receive its job, adopt the notebook's paths
+and logging, set up its device, report its value, and end its whole process group when the
+kernel is gone."""
 
 from __future__ import annotations
 
@@ -11,9 +12,25 @@ from typing import Any
 
 from nbddp.errors import SerializationError
 from nbddp.wire import payload
-from nbddp.wire.messages import DeviceName, JobSpec, Result, Unsendable
-from nbddp.wire.transport import Connection
-from nbddp.worker import notebook_code
+from nbddp.wire.messages import DeviceName, Job, JobSpec, Result, Unsendable
+from nbddp.wire.stacks import AskStacks
+from nbddp.wire.transport import Connection, Frame
+from nbddp.worker import notebook_code, stacks
+
+
+def receive_job(conn: Connection, rank: int) -> Frame:
+    """The kernel's first word after the hello: the job. A roll-call may come first (the user
+    asked where the ranks are while this one was starting): it is answered, and the wait goes
+    on."""
+    while True:
+        frame = conn.recv()
+        if isinstance(frame.message, Job):
+            return frame
+        if not isinstance(frame.message, AskStacks):
+            raise RuntimeError(
+                f"nbddp bug: the kernel sent {type(frame.message).__name__} before the job"
+            )
+        stacks.answer(conn, rank, frame.message)
 
 
 def kill_own_group() -> None:
