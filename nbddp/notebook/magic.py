@@ -21,10 +21,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from nbddp.errors import NbddpError, SerializationError, WorkerError
+from nbddp.errors import NbddpError, WorkerError
 from nbddp.exporting import export_cell
 from nbddp.launch import launch_plan
 from nbddp.notebook import cell as cells
+from nbddp.notebook import crossing
 from nbddp.plan import (
     BACKENDS,
     DEVICE_OPTIONS,
@@ -36,8 +37,6 @@ from nbddp.plan import (
     make_plan,
     seconds_or_none,
 )
-from nbddp.wire import payload
-from nbddp.wire.culprit import locate_unpicklable
 from nbddp.worker.cell import CellOutcome, run_cell
 
 _counter = itertools.count(1)
@@ -161,8 +160,8 @@ class DDPMagics(Magics):
                 )
             num_workers = total
         _, filename, names = self._prepare_cell(line, cell)
-        out_names = self._out_names(args, names, filename, held=frozenset())
-        inputs = self._inputs(names, held=frozenset(), to=args.export)
+        out_names = crossing.out_names(args, names, filename, held=frozenset())
+        inputs = crossing.inputs(self._namespace, names, held=frozenset(), to=args.export)
         assert self.shell is not None
         try:
             written, command = export_cell(
@@ -199,8 +198,8 @@ class DDPMagics(Magics):
     def _run_on_workers(self, line: str, cell: str, plan: LaunchPlan, args: Any) -> Any:
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
         source, filename, names = self._prepare_cell(line, cell)
-        out_names = self._out_names(args, names, filename, held=frozenset())
-        inputs = self._inputs(names, held=frozenset())
+        out_names = crossing.out_names(args, names, filename, held=frozenset())
+        inputs = crossing.inputs(self._namespace, names, held=frozenset())
         outcome: CellOutcome = launch_plan(
             run_cell,
             (source, filename, inputs, out_names, cells.shows_last_value(source), names.deletes),
@@ -208,7 +207,7 @@ class DDPMagics(Magics):
             plan,
             names=inputs,
         )
-        return self._bring_back(outcome, source, filename, session=False)
+        return crossing.bring_back(self._namespace, outcome, source, filename, session=False)
 
     def _run_in_session(self, line: str, cell: str, args: Any) -> Any:
         """``%%ddp --session``: the cell runs in the ranks' own namespace; names it reads come
@@ -238,8 +237,8 @@ class DDPMagics(Magics):
             )
         source, filename, names = self._prepare_cell(line, cell)
         held = session.names
-        out_names = self._out_names(args, names, filename, held, default=())
-        inputs = self._inputs(names, held)
+        out_names = crossing.out_names(args, names, filename, held, default=())
+        inputs = crossing.inputs(self._namespace, names, held)
         outcome: CellOutcome = session.run_cell(
             source,
             filename,
@@ -252,7 +251,12 @@ class DDPMagics(Magics):
             output=args.output,
             stall_after=args.stall_after,
         )
-        return self._bring_back(outcome, source, filename, session=True)
+        return crossing.bring_back(self._namespace, outcome, source, filename, session=True)
+
+    @property
+    def _namespace(self) -> dict[str, Any]:
+        assert self.shell is not None  # a registered magic always has its shell
+        return self.shell.user_ns  # type: ignore[no-any-return]
 
     def _prepare_cell(self, line: str, cell: str) -> tuple[str, str, cells.CellNames]:
         assert self.shell is not None
@@ -269,80 +273,6 @@ class DDPMagics(Magics):
             self.shell.compile._filename_map[filename] = number
         return source, filename, cells.analyze(source)
 
-    @staticmethod
-    def _out_names(
-        args: Any,
-        names: cells.CellNames,
-        filename: str,
-        held: frozenset[str],
-        default: tuple[str, ...] | None = None,
-    ) -> tuple[str, ...]:
-        """What comes back: ``--out`` names, or every name the cell assigns (``default``
-        otherwise: nothing, in a session)."""
-        if args.no_out:
-            return ()
-        if args.out is None:
-            return names.writes if default is None else default
-        out_names = tuple(n.strip() for n in args.out.split(",") if n.strip())
-        never = [n for n in out_names if n not in names.writes and n not in held]
-        if never:
-            cells.warn_in_cell(
-                f"--out {', '.join(never)}: the cell never assigns {_them(never)}, so "
-                f"{_it_they(never)} cannot come back.",
-                filename,
-                1,
-            )
-        return out_names
-
-    def _inputs(
-        self, names: cells.CellNames, held: frozenset[str], to: str = "the workers"
-    ) -> dict[str, Any]:
-        """The notebook's values of the names the cell reads (those the ranks hold resolve
-        there and are not shipped)."""
-        assert self.shell is not None
-        user_ns = self.shell.user_ns
-        inputs = {n: user_ns[n] for n in sorted(names.reads - held) if n in user_ns}
-        return _travelling_inputs(inputs, rebound=set(names.writes), to=to)
-
-    def _bring_back(self, outcome: CellOutcome, source: str, filename: str, session: bool) -> Any:
-        """Put the cell's names into the notebook. A name that cannot travel is unbound
-        there: its value from before the cell would be a stale lie."""
-        assert self.shell is not None
-        user_ns = self.shell.user_ns
-        user_ns.update(outcome.values)
-        for name in outcome.deleted:
-            user_ns.pop(name, None)
-        names = [n for n in outcome.skipped if n.isidentifier()]  # not the last value
-        for name in names:
-            user_ns.pop(name, None)
-        if outcome.skipped:
-            cells.warn_in_cell(
-                _not_back_message(outcome.skipped, names, session),
-                filename,
-                cells.binding_line(source, names[0]) if names else 1,
-            )
-        return outcome.shown
-
-
-def _not_back_message(skipped: dict[str, tuple[str, str]], names: list[str], session: bool) -> str:
-    """``%%ddp could not bring back x: x -> _thread.lock cannot be pickled (...)``, and what
-    that means for the notebook's name."""
-    parts = "; ".join(f"{path} cannot be pickled ({reason})" for path, reason in skipped.values())
-    message = f"%%ddp could not bring back {', '.join(skipped)}: {parts}."
-    if names:
-        where = (
-            f"{_it_they(names)} {'stays' if len(names) == 1 else 'stay'} on the session's ranks"
-            if session
-            else f"the ranks that held {_them(names)} have ended"
-        )
-        message += (
-            f" {', '.join(names)} {'is' if len(names) == 1 else 'are'} now unbound in the "
-            f"notebook (not left at {_its_their(names)} value from before the cell); {where}."
-            " Keep such objects inside the cell, or bring back something picklable made "
-            "from them."
-        )
-    return message
-
 
 def _cell_number(shell: Any) -> int | None:
     """The number of the cell running this magic (``In[n]``): that of the innermost calling
@@ -355,34 +285,6 @@ def _cell_number(shell: Any) -> int | None:
             return int(number)
         frame = frame.f_back  # type: ignore[assignment]
     return None
-
-
-def _it_they(names: list[str]) -> str:
-    return "it" if len(names) == 1 else "they"
-
-
-def _them(names: list[str]) -> str:
-    return "it" if len(names) == 1 else "them"
-
-
-def _its_their(names: list[str]) -> str:
-    return "its" if len(names) == 1 else "their"
-
-
-def _travelling_inputs(
-    inputs: dict[str, Any], rebound: set[str], to: str = "the workers"
-) -> dict[str, Any]:
-    """Check every input once; name the first that cannot travel. A name the cell binds
-    itself may not need its old value: drop it instead (a real need shows as NameError)."""
-    kept = {}
-    for name, value in inputs.items():
-        failure = payload.check_picklable(value)
-        if failure is None:
-            kept[name] = value
-        elif name not in rebound:
-            path, reason = locate_unpicklable(value, name, failure, payload.check_picklable)
-            raise SerializationError(f"the %%ddp cell's input {name!r} to {to}", path, reason)
-    return kept
 
 
 def load_ipython_extension(ipython: Any) -> None:

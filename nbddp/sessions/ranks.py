@@ -1,7 +1,7 @@
 """A session's ranks: started once, then serving one task after another.
 
-Where they run is a :class:`RanksIO`: on this machine one
-:class:`~nbddp.local.group.RankGroup` kept for the session's life (:class:`LocalIO`); on a Ray
+Where they run is a :class:`~nbddp.sessions.io.RanksIO` (``io.py``): on this machine one
+:class:`~nbddp.local.group.RankGroup` kept for the session's life (``LocalIO``); on a Ray
 cluster each node's helper keeping its group (``RayWorkers`` with ``session=True``). Their
 loop runs on a thread of its own, judged by a :class:`_Dispatcher` that hands each task's
 events to that task's :class:`~nbddp.rules.task_referee.TaskReferee` and watches the ranks between
@@ -21,19 +21,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-from nbddp import interrupts
-from nbddp.backend import Outcome, RunEvents, Writable
+from nbddp.backend import Outcome, RunEvents
 from nbddp.errors import NbddpError, describe_exit, our_bug, warn_user
-from nbddp.local.forkserver import default_starter
-from nbddp.local.processes import Starter
-from nbddp.local.workers import local_group
 from nbddp.plan import LaunchPlan
 from nbddp.rules.judging import write_out
 from nbddp.rules.referee import EXIT_GRACE
 from nbddp.rules.task_referee import TaskReferee, TaskVerdict, restart_cause, trigger
 from nbddp.rules.tracker import RunTracker
+from nbddp.sessions.io import RanksIO, ranks_io
 from nbddp.wire.call import Call
 from nbddp.wire.messages import (
     Close,
@@ -46,7 +43,6 @@ from nbddp.wire.messages import (
     Joined,
     Names,
     NodeLost,
-    Output,
     Printed,
     Probe,
     RankEvent,
@@ -158,77 +154,6 @@ class _Dispatcher:
                 )
             return "closed"
         return "closed" if self.closing else None
-
-
-class RanksIO(Protocol):
-    """Where a session's ranks run: this machine (:class:`LocalIO`) or a Ray cluster
-    (:class:`~nbddp.clusters.ray.workers.RayWorkers` with ``session=True``)."""
-
-    nodes: tuple[str, ...]
-
-    @property
-    def pids(self) -> dict[int, int]: ...
-
-    def start_ranks(self) -> None: ...
-    def serve(self, judge: Any) -> Any: ...
-    def stop(self) -> None: ...
-    def teardown(self) -> None: ...
-    def send_all(self, message: Any) -> None: ...
-    def send_task(self, task: Task, call: Call) -> None: ...
-    def set_output(self, mode: Output, target: Writable | None = None) -> None: ...
-    def drain_output(self) -> None: ...
-    def wake(self) -> None: ...
-
-
-class LocalIO:
-    """A session's ranks on this machine: one RankGroup, served on the session's thread."""
-
-    nodes: tuple[str, ...] = ("localhost",)
-
-    def __init__(self, plan: LaunchPlan, starter: Starter | None = None) -> None:
-        starter = starter or default_starter()
-        starter.warm_up()
-        with interrupts.deferred():  # the group owns what local_group opened once it returns
-            self.group = local_group(plan, Call(b""), starter, session=True)
-
-    @property
-    def pids(self) -> dict[int, int]:
-        return self.group.pids
-
-    def start_ranks(self) -> None:
-        self.group.start()
-
-    def serve(self, judge: Any) -> Any:
-        return self.group.run(judge)
-
-    def stop(self) -> None:
-        self.group.stop()
-
-    def teardown(self) -> None:
-        self.group.teardown()
-
-    def send_all(self, message: Any) -> None:
-        self.group.send_all(message)
-
-    def send_task(self, task: Task, call: Call) -> None:
-        self.group.send_all(task, call.fds, then=call.close)
-
-    def set_output(self, mode: Output, target: Writable | None = None) -> None:
-        self.group.set_output(mode, target)
-
-    def drain_output(self) -> None:
-        self.group.drain_output()
-
-    def wake(self) -> None:
-        self.group.wake()
-
-
-def ranks_io(plan: LaunchPlan) -> RanksIO:
-    if plan.cluster is None:
-        return LocalIO(plan)
-    from nbddp.clusters.ray.workers import RayWorkers
-
-    return RayWorkers(plan, Call(b""), session=True)
 
 
 class SessionRanks:

@@ -6,21 +6,8 @@ and only when (and if) the library is imported:
 * **tqdm** (``tqdm``, ``tqdm.auto``, ``tqdm.notebook``, so the HF Trainer's and Lightning's
   bars too): on rank 0 a bar becomes a panel bar (count, rate, ETA; nested when nested)
   instead of text; on other ranks it is silent unless ``output="all"``.
-* **Hugging Face** ``Trainer``: a ``TrainerCallback`` whose ``on_log`` logs what the Trainer
-  logs (``loss``, ``learning_rate``, ``grad_norm``, ``epoch``, eval metrics).
-* **Lightning** ``Trainer``: a ``Logger`` added to the trainer's loggers, given what
-  ``self.log(...)`` logged; with ``logger=False``, a ``Callback`` giving what Lightning's own
-  progress bar shows (``trainer.progress_bar_metrics``), since adding a logger would move the
-  trainer's checkpoint directory.
-  Lightning's default progress bar becomes its tqdm one (rich's, its default when rich is
-  importable, draws only a last frame where output is no terminal).
-* **Accelerate**: a tracker, given what ``accelerator.log(...)`` logs.
-
-The rule for averaging: a library that calls us on every rank (the Trainer's ``on_log``,
-Lightning's loggers) logs as ``nbddp.log`` does, and row k is averaged across ranks; values
-the library already reduced are equal on every rank, so their average is that value, never
-reduced twice. A library that logs on the main process only (Accelerate's trackers) gives rows
-that are taken as rank 0 gives them.
+* **Hugging Face**, **Lightning** and **Accelerate**: their own extension points give the
+  panel what they log (``trainers.py``).
 
 A library that is absent costs nothing: the hooks wait for an import that never comes. An
 integration that fails warns once and leaves the library as it was.
@@ -28,19 +15,17 @@ integration that fails warns once and leaves the library as it was.
 
 from __future__ import annotations
 
-import functools
 import importlib.abc
 import importlib.machinery
 import io
-import numbers
 import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 from nbddp.errors import NbddpWarning
-from nbddp.worker import catalyst_engines, launchers, live, rich
+from nbddp.worker import catalyst_engines, launchers, live, rich, trainers
 from nbddp.worker.context import rank
 
 Patch = Callable[[ModuleType], None]
@@ -119,10 +104,10 @@ def install(output: str) -> None:
     patches: dict[str, Patch] = {
         "tqdm.std": _patch_tqdm,
         "tqdm.notebook": _use_plain_tqdm,
-        "transformers.trainer": _patch_transformers,
-        "lightning.pytorch.trainer.trainer": _patch_lightning,
-        "pytorch_lightning.trainer.trainer": _patch_lightning,
-        "accelerate.accelerator": _patch_accelerate,
+        "transformers.trainer": trainers.patch_transformers,
+        "lightning.pytorch.trainer.trainer": trainers.patch_lightning,
+        "pytorch_lightning.trainer.trainer": trainers.patch_lightning,
+        "accelerate.accelerator": trainers.patch_accelerate,
         "torch.distributed.launcher.api": launchers.guard_elastic,
         "IPython.core.display_functions": rich.install(),  # display() into the cell
         "catalyst.runners.runner": catalyst_engines.patch,
@@ -204,151 +189,3 @@ def _use_plain_tqdm(module: ModuleType) -> None:
 
     module.tqdm = tqdm.std.tqdm  # type: ignore[attr-defined]
     module.trange = tqdm.std.trange  # type: ignore[attr-defined]
-
-
-# -- metrics ----------------------------------------------------------------------------------
-
-
-def numbers_in(values: Mapping[str, Any]) -> dict[str, float]:
-    """The values that can be charted: numbers and one-element tensors, bools left out."""
-    found = {}
-    for name, value in values.items():
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, numbers.Real):
-            found[str(name)] = float(value)
-        elif getattr(value, "numel", None) is not None and value.numel() == 1:
-            found[str(name)] = float(value.item())
-    return found
-
-
-def _after(cls: Any, name: str, install: Callable[[Any, dict[str, Any]], None]) -> None:
-    """Make ``cls.name`` call ``install(self, kwargs)`` after itself, inside a launched rank:
-    a library's extension point (callback, logger, tracker) goes on an instance."""
-    original = getattr(cls, name)
-
-    @functools.wraps(original)
-    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        if live.current() is not None:
-            install(self, kwargs)
-        return result
-
-    setattr(cls, name, patched)
-    cls._nbddp = True
-
-
-def _patch_transformers(module: ModuleType) -> None:
-    trainer = module.Trainer
-    if getattr(trainer, "_nbddp", False):
-        return
-    from transformers import TrainerCallback
-
-    class NbddpCallback(TrainerCallback):
-        """What the Trainer logs, on every rank, into the panel (loss is already reduced)."""
-
-        def on_log(
-            self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
-        ) -> None:
-            values = numbers_in(logs or {})
-            if values:
-                live.log(values)
-
-    _after(trainer, "__init__", lambda self, kwargs: self.add_callback(NbddpCallback))
-
-
-def _patch_lightning(module: ModuleType) -> None:
-    trainer = module.Trainer
-    if getattr(trainer, "_nbddp", False):
-        return
-    # On any machine with Slurm installed, Lightning warns at every fit that srun "is not
-    # used" and advises prepending it: a false alarm here, where nbddp started the rank.
-    warnings.filterwarnings(
-        "ignore", message="The `srun` command is available on your system but is not used"
-    )
-    package = module.__name__.split(".trainer", 1)[0]  # lightning.pytorch or pytorch_lightning
-    logger_base = __import__(f"{package}.loggers.logger", fromlist=["Logger"]).Logger
-
-    class NbddpLogger(logger_base):  # type: ignore[misc, valid-type]
-        """Given what ``self.log`` logged, on every rank (not rank 0 only), at the same steps."""
-
-        @property
-        def name(self) -> str:
-            return "nbddp"
-
-        @property
-        def version(self) -> str:
-            return "live"
-
-        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-            values = numbers_in(metrics)
-            if values:
-                live.log(values)
-
-    callbacks = __import__(f"{package}.callbacks", fromlist=["TQDMProgressBar"])
-
-    class NbddpBarMetrics(callbacks.Callback):  # type: ignore[misc, name-defined]
-        """With ``logger=False``: what Lightning's own progress bar shows
-        (``trainer.progress_bar_metrics``, the ``prog_bar=True`` values), after every
-        training batch and validation, on every rank (the same number of rows on each)."""
-
-        def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
-            self._log(trainer)
-
-        def on_validation_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
-            if not trainer.sanity_checking:
-                self._log(trainer)
-
-        @staticmethod
-        def _log(trainer: Any) -> None:
-            values = numbers_in(trainer.progress_bar_metrics)
-            values.pop("v_num", None)  # the logger's version, not a metric
-            if values:
-                live.log(values)
-
-    def install(self: Any, kwargs: dict[str, Any]) -> None:
-        if self.loggers:  # appended: loggers[0] keeps its role (log_dir, v_num, checkpoints)
-            self.loggers = [*self.loggers, NbddpLogger()]
-        else:  # logger=False: no logger is added (it would move the checkpoint directory)
-            self.callbacks.append(NbddpBarMetrics())
-        bar = self.progress_bar_callback
-        chosen = kwargs.get("callbacks") or []
-        if isinstance(bar, callbacks.RichProgressBar) and bar not in chosen:
-            # Lightning's default when rich is importable; a rank's output is no terminal, so
-            # rich would draw its last frame only: tqdm's becomes a live panel bar instead
-            self.callbacks[self.callbacks.index(bar)] = callbacks.TQDMProgressBar()
-
-    _after(trainer, "__init__", install)
-
-
-def _patch_accelerate(module: ModuleType) -> None:
-    accelerator = module.Accelerator
-    if getattr(accelerator, "_nbddp", False):
-        return
-    from accelerate.tracking import GeneralTracker
-
-    class NbddpTracker(GeneralTracker):  # type: ignore[misc]
-        """``accelerator.log`` runs on the main process only: its rows are rank 0's."""
-
-        name = "nbddp"
-        requires_logging_directory = False
-
-        @property
-        def tracker(self) -> Any:
-            return self
-
-        def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-            buffer = live.current()
-            found = numbers_in(values)
-            if buffer is not None and found:
-                buffer.log_main(found, step)
-
-    def add_tracker(self: Any, kwargs: dict[str, Any]) -> None:
-        if not any(isinstance(t, NbddpTracker) for t in self.trackers):
-            self.trackers.append(NbddpTracker())
-
-    _after(accelerator, "__init__", add_tracker)
-    _after(accelerator, "init_trackers", add_tracker)  # older versions start a new list there
