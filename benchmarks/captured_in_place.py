@@ -15,33 +15,19 @@ work: medians, and the memory level waits to settle before each case.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from child import MEMORY_PROBE, run_child
 
 ROOT = Path(__file__).parent.parent
 
-_CASE = r"""
+_CASE = (
+    MEMORY_PROBE
+    + r"""
 import json, sys, time
 import numpy as np, torch, nbddp
 from nbddp.local import forkserver
-
-def used():
-    f = {k: int(v.split()[0]) * 1024 for k, v in (x.split(":", 1) for x in open("/proc/meminfo"))}
-    return f["AnonPages"] + f["Shmem"]
-
-def settled():
-    last = used()
-    for _ in range(60):
-        time.sleep(0.5)
-        now = used()
-        if abs(now - last) < 20 * 2**20:
-            return now
-        last = now
-    return last
 
 kind, size = sys.argv[1], int(sys.argv[2])
 forkserver.prestart(); forkserver.wait_until_ready(60)
@@ -76,6 +62,7 @@ third, _ = launch()
 print("RESULT " + json.dumps({"first": first, "next": min(second, third),
                               "rest": rest - base, "running": held - base}))
 """
+)
 
 CASES = [
     ("trivial fn", "none", {}),
@@ -86,18 +73,7 @@ CASES = [
 
 
 def _run(kind: str, size: int, env: dict[str, str]) -> dict[str, float]:
-    done = subprocess.run(
-        [sys.executable, "-c", _CASE, kind, str(size)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-    )
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(done.stderr[-2000:])
-    result: dict[str, float] = json.loads(line[len("RESULT ") :])
-    return result
+    return run_child(_CASE, kind, str(size), env={"PYTHONPATH": str(ROOT), **env})
 
 
 def main() -> None:

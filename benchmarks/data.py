@@ -15,25 +15,20 @@ Each case runs in a fresh process (its own peak), interleaved.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from child import MEMORY_PROBE, run_child
 
 HERE = Path(__file__).parent
 GB = 10**9
 
-_CASE = r"""
+_CASE = (
+    MEMORY_PROBE
+    + r"""
 import json, sys, threading, time
 import numpy as np, torch
-
-def used():
-    # every process's private memory and all shared memory, machine-wide (page cache and the
-    # kernel's own caches, which move on their own, left out; MemAvailable would count most
-    # of a memfd's pages as available)
-    f = {k: int(v.split()[0]) * 1024 for k, v in (x.split(":", 1) for x in open("/proc/meminfo"))}
-    return f["AnonPages"] + f["Shmem"]
 
 launcher, kind, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if kind == "tensor":
@@ -74,17 +69,6 @@ else:
         notebook_launcher(wrapped, num_processes=2)
         out_file.seek(0)
         return json.loads(out_file.read())
-def settled():
-    # the previous case's processes free their memory after they exited: wait until the
-    # machine's level stops moving, or that freeing would count against this launch
-    last = used()
-    for _ in range(60):
-        time.sleep(0.5)
-        now = used()
-        if abs(now - last) < 20 * 2**20:
-            return now
-        last = now
-    return last
 time.sleep(1)
 before = settled()
 peak = [before]
@@ -104,6 +88,7 @@ again = time.perf_counter() - started
 print("RESULT " + json.dumps({"seconds": seconds, "again": again, "peak": peak[0] - before,
                               "held": held - before}))
 """
+)
 
 _RETURN = r"""
 import json, sys, time
@@ -131,14 +116,7 @@ print("RESULT " + json.dumps({"seconds": seconds, "grown": grown, "copy": copied
 
 
 def _run(script: str, *args: str) -> dict[str, float]:
-    done = subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600
-    )
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(done.stderr[-2000:])
-    result: dict[str, float] = json.loads(line[len("RESULT ") :])
-    return result
+    return run_child(script, *args)
 
 
 def capture(rounds: int, size: int) -> str:
