@@ -28,6 +28,7 @@ def main() -> None:
     from ray.cluster_utils import Cluster
 
     import nbddp
+    from nbddp.clusters import choice
     from nbddp.clusters.ray import cluster as ray_cluster
 
     simulated = Cluster(
@@ -53,7 +54,7 @@ def main() -> None:
                         time.sleep(pause)
     finally:
         ray_cluster.KEEP_RESERVATION = kept
-        for registered in {ray_cluster._default, *ray_cluster._by_address.values()} - {None}:
+        for registered in {choice._default, *ray_cluster._by_address.values()} - {None}:
             registered.release_reservations()
         ray.shutdown()
         simulated.shutdown()

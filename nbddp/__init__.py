@@ -1,7 +1,8 @@
 """nbddp: run PyTorch DistributedDataParallel training from a Jupyter notebook.
 
 Kernel side: :func:`notebook_launch`, :func:`spawn` (``mp.spawn``'s shape), :class:`Run`,
-:func:`last_run`, :class:`Session`, :class:`RayCluster`, :func:`set_cluster`, :func:`export`.
+:func:`last_run`, :class:`Session`, :class:`RayCluster`, :class:`SlurmCluster`,
+:func:`set_cluster`, :func:`export`.
 Worker side (inside the launched function; each also works outside a launch as rank 0 of 1):
 :func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
 :func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`,
@@ -37,6 +38,7 @@ __all__ = [
     "RunStopped",
     "SerializationError",
     "Session",
+    "SlurmCluster",
     "Stacks",
     "WorkerError",
     "barrier",
@@ -61,7 +63,9 @@ __all__ = [
 __version__ = "0.2.0"
 
 if TYPE_CHECKING:
-    from nbddp.clusters.ray.cluster import RayCluster, set_cluster
+    from nbddp.clusters.choice import set_cluster
+    from nbddp.clusters.ray.cluster import RayCluster
+    from nbddp.clusters.slurm.allocation import SlurmCluster
     from nbddp.diagnosis.stacks import Stacks
     from nbddp.exporting import export
     from nbddp.launch import notebook_launch, spawn
@@ -75,7 +79,8 @@ _KERNEL_SIDE = {
     "Run": "run",
     "last_run": "run",
     "RayCluster": "clusters.ray.cluster",
-    "set_cluster": "clusters.ray.cluster",
+    "SlurmCluster": "clusters.slurm.allocation",
+    "set_cluster": "clusters.choice",
     "Session": "sessions.session",
     "Stacks": "diagnosis.stacks",
 }

@@ -199,9 +199,9 @@ def _backend_for(
     if plan.in_kernel:
         return InKernel(plan, fn, args, kwargs), device_name(plan)
     if plan.cluster is not None:
-        from nbddp.clusters.ray.workers import RayWorkers
+        call = dumps_call(fn, args, kwargs, names, segment=False)  # the engine carries the bytes
+        from nbddp.clusters.workers import cluster_workers
 
-        call = dumps_call(fn, args, kwargs, names, segment=False)  # Ray carries the bytes
-        return RayWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
+        return cluster_workers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
     call = dumps_call(fn, args, kwargs, names)  # SerializationError before any process
     return LocalWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"

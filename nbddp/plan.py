@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from nbddp.clusters.ray.cluster import place_on_cluster
-from nbddp.clusters.ray.cluster import resolve as resolve_cluster
+from nbddp.clusters.choice import resolve as resolve_cluster
+from nbddp.clusters.placement import place_on_cluster
 from nbddp.environment import check_user_env, notebook_logging
 from nbddp.wire.messages import JobSpec, Output
 
@@ -50,7 +50,7 @@ class LaunchPlan:
     return_all: bool = False
     block: bool = True
     env: Mapping[str, str] = field(default_factory=dict)
-    cluster: Any = None  # a RayCluster, or None: this machine
+    cluster: Any = None  # a RayCluster or SlurmCluster, or None: this machine
     nodes: int = 1
     workers_per_node: int = 0  # on one machine: world_size
     exit_timeout: float = EXIT_TIMEOUT  # a rank's exit work's bound (NBDDP_EXIT_TIMEOUT)
@@ -117,7 +117,8 @@ def make_plan(
         if nodes != "auto" or workers_per_node != "auto":
             raise ValueError(
                 f"nodes={nodes!r}, workers_per_node={workers_per_node!r} place ranks on a "
-                "cluster: pass cluster='ray' (or call nbddp.set_cluster first), or use "
+                "cluster: pass cluster='ray' or 'slurm' (or call nbddp.set_cluster first), or "
+                "use "
                 "num_workers= alone on this machine."
             )
         n_gpus = visible_gpu_count() if gpu_count is None else gpu_count

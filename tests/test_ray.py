@@ -63,7 +63,7 @@ def helpers(cluster):
     from nbddp.clusters.ray import cluster as ray_cluster
 
     nbddp.notebook_launch(abs, (-1,), **RAY)  # helpers up and warm
-    registry = ray_cluster.resolve("ray")
+    registry = ray_cluster.named("ray")
     return {node: registry.info(node)["pid"] for node in registry._helpers}
 
 
@@ -74,9 +74,10 @@ def nothing_left(request):
         return
     from ray.util import placement_group_table
 
+    from nbddp.clusters import choice
     from nbddp.clusters.ray import cluster as ray_cluster
 
-    for kept in {ray_cluster._default, *ray_cluster._by_address.values()} - {None}:
+    for kept in {choice._default, *ray_cluster._by_address.values()} - {None}:
         kept.release_reservations()  # a launch's is kept a few seconds for the next one
     states = {p["state"] for p in placement_group_table().values()}
     assert states <= {"REMOVED"}, f"placement groups left: {states}"

@@ -86,8 +86,9 @@ class DDPMagics(Magics):
         "--cluster",
         type=str,
         default=None,
-        metavar="ray|ray://HOST:PORT",
-        help="run on a Ray cluster (default: nbddp.set_cluster's, else this machine)",
+        metavar="ray|ray://HOST:PORT|slurm",
+        help="run on a Ray cluster or the Slurm allocation this kernel runs in (default: "
+        "nbddp.set_cluster's, else this machine)",
     )
     @argument("--nodes", type=int, default=None, help="cluster nodes (default: every alive one)")
     @argument(

@@ -22,7 +22,7 @@ from nbddp.sessions.session import Session, current, set_current
 
 _USAGE = (
     "%ddp_session start [-n N] [--device auto|cuda|cpu] [--backend nccl|gloo] "
-    "[--gpus 0,1] [--cluster ray] | stop | restart | status | pull NAME[,NAME...]"
+    "[--gpus 0,1] [--cluster ray|slurm] | stop | restart | status | pull NAME[,NAME...]"
 )
 
 

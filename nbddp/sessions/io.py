@@ -19,8 +19,8 @@ from nbddp.wire.messages import Output, Task
 
 
 class RanksIO(Protocol):
-    """Where a session's ranks run: this machine (:class:`LocalIO`) or a Ray cluster
-    (:class:`~nbddp.clusters.ray.workers.RayWorkers` with ``session=True``)."""
+    """Where a session's ranks run: this machine (:class:`LocalIO`) or a cluster
+    (:class:`~nbddp.clusters.workers.ClusterWorkers` with ``session=True``)."""
 
     nodes: tuple[str, ...]
 
@@ -84,6 +84,6 @@ class LocalIO:
 def ranks_io(plan: LaunchPlan) -> RanksIO:
     if plan.cluster is None:
         return LocalIO(plan)
-    from nbddp.clusters.ray.workers import RayWorkers
+    from nbddp.clusters.workers import cluster_workers
 
-    return RayWorkers(plan, Call(b""), session=True)
+    return cluster_workers(plan, Call(b""), session=True)

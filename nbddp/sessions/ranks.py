@@ -1,8 +1,8 @@
 """A session's ranks: started once, then serving one task after another.
 
 Where they run is a :class:`~nbddp.sessions.io.RanksIO` (``io.py``): on this machine one
-:class:`~nbddp.local.group.RankGroup` kept for the session's life (``LocalIO``); on a Ray
-cluster each node's helper keeping its group (``RayWorkers`` with ``session=True``). Their
+:class:`~nbddp.local.group.RankGroup` kept for the session's life (``LocalIO``); on a
+cluster each node's helper keeping its group (``ClusterWorkers``, ``session=True``). Their
 loop runs on a thread of its own, judged by a :class:`_Dispatcher` that hands each task's
 events to that task's :class:`~nbddp.rules.task_referee.TaskReferee` and watches the ranks between
 tasks (one that dies while idle ends the session's ranks). When a task's ranks are stuck, or

@@ -16,21 +16,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Literal, NamedTuple
+from typing import Any
+
+from nbddp.clusters.placement import NodeInfo
 
 _lock = threading.Lock()
 KEEP_RESERVATION = 5.0  # seconds a launch's reservation waits, idle, for the next launch
-_default: RayCluster | None = None
 _by_address: dict[str, RayCluster] = {}
-
-
-class NodeInfo(NamedTuple):
-    """An alive node, as Ray describes it."""
-
-    id: str
-    address: str
-    cpus: float
-    gpus: float
 
 
 class RayCluster:
@@ -184,86 +176,8 @@ def _remove(placement: Any) -> None:
         remove_placement_group(placement)
 
 
-def set_cluster(cluster: str | RayCluster | None) -> None:
-    """Launch on ``cluster`` by default from now on (``notebook_launch``, ``%%ddp``,
-    ``Session``): "ray", "ray://host:port", a :class:`RayCluster`, or None for this machine."""
-    global _default
-    _default = None if cluster is None else resolve(cluster)
-
-
-def resolve(cluster: str | RayCluster | None) -> RayCluster | None:
-    """The cluster an option names (the default from :func:`set_cluster` when None)."""
-    if cluster is None:
-        return _default
-    if isinstance(cluster, RayCluster):
-        return cluster
-    if cluster == "ray" or (isinstance(cluster, str) and cluster.startswith("ray://")):
-        address = None if cluster == "ray" else cluster
-        with _lock:
-            return _by_address.setdefault(cluster, RayCluster(address))
-    if cluster == "slurm":
-        raise ValueError(
-            "cluster='slurm' (ranks on this Slurm allocation) is not built yet. On Slurm now: "
-            "write the launch as a batch job, nbddp.export(fn, 'train.py', num_workers=..., "
-            "nodes=...) then `sbatch train.sbatch` (%%ddp --export train.py for a cell), or "
-            "run `ray start` on the allocation's nodes and use cluster='ray'."
-        )
-    raise ValueError(
-        f"cluster={cluster!r} is not one of 'ray', 'ray://host:port', a nbddp.RayCluster, or "
-        "None (this machine)."
-    )
-
-
-def place_on_cluster(
-    cluster: RayCluster,
-    num_workers: int | str,
-    device: str,
-    nodes: int | str,
-    workers_per_node: int | str,
-) -> tuple[Literal["cuda", "cpu"], int, int]:
-    """Device, nodes and ranks per node on ``cluster``: every "auto" resolved, and every
-    request it cannot hold refused, naming what it has."""
-    alive = cluster.alive_nodes()
-    for name, value in (("nodes", nodes), ("workers_per_node", workers_per_node)):
-        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}={value!r} must be an int >= 1 or 'auto'.")
-    with_gpus = [n for n in alive if n.gpus >= 1]
-    if device == "cuda" and not with_gpus:
-        raise ValueError(
-            f"device='cuda' but no node of the cluster has a GPU ({_has(alive)}). Use device='cpu'."
-        )
-    resolved: Literal["cuda", "cpu"] = (
-        "cuda"
-        if device == "cuda" or (device == "auto" and with_gpus and len(with_gpus) == len(alive))
-        else "cpu"
-    )
-
-    def capacity(node: NodeInfo) -> int:
-        return int(node.gpus if resolved == "cuda" else node.cpus)
-
-    usable = [n for n in alive if capacity(n) >= 1]
-    if workers_per_node == "auto":
-        per_node = min((capacity(n) for n in usable), default=0) if resolved == "cuda" else 1
-    else:
-        per_node = int(workers_per_node)
-    able = [n for n in usable if capacity(n) >= per_node]
-    count = len(able) if nodes == "auto" else int(nodes)
-    if per_node < 1 or count > len(able) or count < 1:
-        unit = "GPU" if resolved == "cuda" else "CPU"
-        raise ValueError(
-            f"nodes={nodes!r} with workers_per_node={per_node} ({unit}s per node) does not fit "
-            f"the cluster: {len(able)} alive node(s) can hold {per_node} rank(s) each "
-            f"({_has(alive)}). Ask for fewer nodes or ranks per node."
-        )
-    if num_workers != "auto" and num_workers != count * per_node:
-        raise ValueError(
-            f"num_workers={num_workers!r} but nodes={count} x workers_per_node={per_node} "
-            f"is {count * per_node}: give num_workers={count * per_node}, or leave it 'auto'."
-        )
-    return resolved, count, per_node
-
-
-def _has(nodes: list[NodeInfo]) -> str:
-    if not nodes:
-        return "no alive node"
-    return ", ".join(f"{n.address}: {n.cpus:g} CPUs, {n.gpus:g} GPUs" for n in nodes)
+def named(cluster: str) -> RayCluster:
+    """The cluster "ray" or "ray://host:port" names, one per name."""
+    address = None if cluster == "ray" else cluster
+    with _lock:
+        return _by_address.setdefault(cluster, RayCluster(address))

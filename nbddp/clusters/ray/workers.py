@@ -1,155 +1,49 @@
-"""Ranks on a Ray cluster: the :class:`~nbddp.backend.Backend` of ``cluster=...`` launches.
+"""Ranks on a Ray cluster: the Ray :class:`~nbddp.clusters.workers.Engine` of a launch.
 
-Per launch:
-
-1. one placement group reserves ``workers_per_node`` ranks' worth of resources (GPUs on
-   cuda, CPUs on cpu) on each of ``nodes`` nodes (``STRICT_SPREAD``, one bundle per node);
-   bundle i's node is node rank i;
-2. before anything starts, every node's helper (``node.py``) says whether it can import the
-   modules the call refers to, and which torch it has: a missing module is an error that says
-   how to ship it, a different torch a warning;
-3. the call goes to Ray's object store once (its tensors' bytes out of band) and every node
-   starts its ranks with the torchrun environment of their place: ``MASTER_ADDR`` is node rank
-   0's address, ``MASTER_PORT`` the port of a socket node 0's helper bound and listens on
-   (rank 0 serves the rendezvous store on it: ranks of other nodes that come first wait);
-4. one thread long-polls every node (``ray.wait`` on one poll per node) and feeds what they
-   forward to the same :class:`~nbddp.rules.referee.Referee` a local launch has; a helper that dies
-   (its node lost) is a failure of that node's ranks;
-5. teardown: every node ends its ranks (TERM, grace, KILL, strays); the placement group is
-   kept a few seconds for the next launch of the same shape (``RayCluster.keep_reservation``:
-   Ray readies a new one made right after a removal only 0.5-1 s later), then goes;
-   ``ray.kill`` is the backstop for a helper that does not answer.
+* Reservation: one placement group reserves ``workers_per_node`` ranks' worth of resources
+  (GPUs on cuda, CPUs on cpu) on each of ``nodes`` nodes (``STRICT_SPREAD``, one bundle per
+  node); bundle i's node is node rank i. It is kept a few seconds after the launch for the
+  next launch of the same shape (``RayCluster.keep_reservation``: Ray readies a new one made
+  right after a removal only 0.5-1 s later), removed at once when a node was lost.
+* Calls are actor method calls on each node's helper (``node.py``); the call's bytes go to
+  Ray's object store once; the poll loop waits with ``ray.wait``; a helper that does not
+  answer is ended with ``ray.kill``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nbddp.backend import Finish, Outcome, RunEvents
-from nbddp.clusters.ray.cluster import RayCluster
-from nbddp.environment import Place, new_run_id
-from nbddp.errors import NbddpError, our_bug, warn_user
-from nbddp.local.processes import TERM_GRACE
-from nbddp.plan import LaunchPlan, job_spec
-from nbddp.rules.referee import Referee
-from nbddp.wire.call import Call
-from nbddp.wire.messages import NodeLost
+from nbddp.clusters import NodeGone
+from nbddp.errors import NbddpError
+
+if TYPE_CHECKING:
+    from nbddp.clusters.ray.cluster import RayCluster
+    from nbddp.plan import LaunchPlan
 
 RESERVE_WAIT = 60.0  # seconds for the cluster to reserve the ranks' resources
-_POLL = 0.05  # seconds a node's poll waits for news
 
 
-class RayWorkers:
-    """One launch's ranks on the nodes of a Ray cluster."""
+class RayEngine:
+    """One launch on a Ray cluster: its placement group and its nodes' helper actors."""
 
-    def __init__(self, plan: LaunchPlan, call: Call, session: bool = False) -> None:
-        self.plan = plan
-        self._session = session  # the ranks stay up and run tasks (a Session's)
-        self._call: Call | None = call
-        cluster = plan.cluster
-        assert isinstance(cluster, RayCluster)
+    ship_hint = (
+        "Ship them with cluster=nbddp.RayCluster(runtime_env={'py_modules': [...]}) (modules "
+        "imported from the notebook's folder: runtime_env={'working_dir': '.'}), or install "
+        "them on every node."
+    )
+
+    def __init__(self, cluster: RayCluster) -> None:
         self._cluster = cluster
-        self._run_id = new_run_id()
+        self._ray = cluster.connect()
         self._placement: Any = None
         self._shape: Any = None
-        self._intact = True  # no node lost, no helper killed: the reservation can be kept
-        self._node_ids: list[str] = []
-        self._helpers: list[Any] = []
-        self.nodes: tuple[str, ...] = ()
-        self._started: list[int] = []  # node ranks whose ranks were started
-        self._referee: Referee | None = None
-        self._stop = threading.Event()
-        self.pids: dict[int, int] = {}
 
-    # -- the Backend protocol --------------------------------------------------------------
-
-    def start(self, events: RunEvents, finish: Finish) -> None:
-        """Reserve, check, start every node's ranks and the poller; cleans up on failure.
-        Interruptible throughout: an interrupt ends whatever had started."""
-        try:
-            self.start_ranks()
-        except BaseException:
-            self._teardown()
-            raise
-        plan = self.plan
-        self._referee = Referee(
-            plan.world_size,
-            plan.return_all,
-            plan.timeout,
-            events,
-            broadcast=self.send_all,
-            started_groups=plan.nodes,
-            node_of=lambda rank: self.nodes[rank // plan.workers_per_node],
-            exit_timeout=plan.exit_timeout,
-        )
-        threading.Thread(
-            target=self._supervise, args=(finish,), name="nbddp-ray-supervisor", daemon=True
-        ).start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    # -- start -----------------------------------------------------------------------------
-
-    def start_ranks(self) -> None:
-        """Reserve, check and start every node's ranks (the caller tears down on failure)."""
-        plan, cluster = self.plan, self._cluster
-        ray = cluster.connect()
-        self._reserve(ray)
-        self._helpers = [cluster.helper(node) for node in self._node_ids]
-        infos = [cluster.info(node) for node in self._node_ids]
-        self.nodes = tuple(info["address"] for info in infos)
-        call = self._call
-        assert call is not None
-        self._check_nodes(ray, call, infos)
-        port = ray.get(self._helpers[0].store_port.remote(self._run_id))
-        self._started.append(0)  # its socket is closed by its stop, whatever happens next
-        per_node = plan.workers_per_node
-        indices = tuple(r % per_node for r in range(plan.world_size))
-        spec = job_spec(plan, self._run_id, indices, self._session)  # paths: the node's own
-        import numpy as np
-
-        data = ray.put([np.frombuffer(b, dtype=np.uint8) for b in call.buffers])
-        starts = []
-        for node_rank, helper in enumerate(self._helpers):
-            places = [
-                Place(
-                    node_rank * per_node + local,
-                    local,
-                    node_rank,
-                    plan.world_size,
-                    per_node,
-                    plan.nodes,
-                )
-                for local in range(per_node)
-            ]
-            starts.append(
-                helper.start.remote(
-                    self._run_id,
-                    places,
-                    (self.nodes[0], port),
-                    spec,
-                    call.stream,
-                    data,
-                    plan.output,
-                    dict(plan.env),
-                    tuple(range(per_node)),
-                )
-            )
-            if node_rank:
-                self._started.append(node_rank)  # all at once: the store listens already
-        for pids in ray.get(starts):
-            self.pids.update(pids)
-        self._call = None  # every node has it: the kernel keeps no copy
-        call.close()
-
-    def _reserve(self, ray: Any) -> None:
+    def reserve(self, plan: LaunchPlan) -> list[Any]:
         from ray.util import placement_group, placement_group_table
 
-        plan = self.plan
         unit = "GPU" if plan.device == "cuda" else "CPU"
         self._shape = (plan.nodes, plan.workers_per_node, unit)
         self._placement = self._cluster.take_reservation(self._shape) or placement_group(
@@ -166,159 +60,49 @@ class RayWorkers:
                 "them, or ask for fewer nodes or ranks per node."
             )
         bundles = placement_group_table(self._placement)["bundles_to_node_id"]
-        self._node_ids = [bundles[index] for index in range(plan.nodes)]
+        return [bundles[index] for index in range(plan.nodes)]
 
-    def _check_nodes(self, ray: Any, call: Call, infos: list[dict[str, Any]]) -> None:
-        """What would fail deep inside a rank is said before anything starts."""
-        import torch
+    def info(self, node: Any) -> dict[str, Any]:
+        return self._cluster.info(node)
 
-        needs = sorted(call.needs())
-        missing = ray.get([h.missing_modules.remote(needs) for h in self._helpers])
-        for info, names in zip(infos, missing, strict=True):
-            if names:
-                raise ValueError(
-                    f"the ranks need module(s) {', '.join(names)}, which node "
-                    f"{info['address']} cannot import. Ship them with "
-                    f"cluster=nbddp.RayCluster(runtime_env={{'py_modules': [...]}}) (modules "
-                    "imported from the notebook's folder: runtime_env={'working_dir': '.'}), "
-                    "or install them on every node."
-                )
-        for info in infos:
-            if info["torch"] != torch.__version__:
-                warn_user(
-                    f"node {info['address']} has torch {info['torch']}, this kernel "
-                    f"{torch.__version__}: what the ranks send back may not load here."
-                )
+    def call(self, node: Any, method: str, *args: Any) -> Any:
+        return getattr(self._cluster.helper(node), method).remote(*args)
 
-    # -- the loop --------------------------------------------------------------------------
+    def wait(self, pending: list[Any], timeout: float) -> list[Any]:
+        ready, _ = self._ray.wait(pending, num_returns=1, timeout=max(0.0, timeout))
+        return list(ready)
 
-    def send_all(self, message: Any) -> None:
-        for helper in self._helpers:
-            helper.send_all.remote(self._run_id, message)
+    def get(self, pending: Any) -> Any:
+        from ray.exceptions import RayError, RayTaskError
 
-    def ask(self, message: Any) -> None:
-        """A roll-call: each node's ranks answer, and each node dumps the ones that cannot."""
-        self.send_all(message)
+        try:
+            return self._ray.get(pending)
+        except RayTaskError:
+            raise  # the helper's method raised: the error itself
+        except RayError as exc:  # the helper is gone
+            first = (str(exc).splitlines() or [""])[0]
+            raise NodeGone(f"{type(exc).__name__}: {first}") from exc
 
-    def send_task(self, task: Any, call: Call) -> None:
-        """A session's task to every node: the call's bytes once into the object store."""
+    def share(self, buffers: list[Any]) -> Any:
         import numpy as np
-        import ray
 
-        data = ray.put([np.frombuffer(b, dtype=np.uint8) for b in call.buffers])
-        for helper in self._helpers:
-            helper.send_task.remote(self._run_id, task, data)
-        call.close()
+        return self._ray.put([np.frombuffer(b, dtype=np.uint8) for b in buffers])
 
-    def set_output(self, mode: Any, target: Any = None) -> None:
-        """Whose output the nodes forward from now on (the kernel shows it in the task's
-        target: forwarded text arrives as ``Printed`` events)."""
-        for helper in self._helpers:
-            helper.set_output.remote(self._run_id, mode)
+    def forget(self, node: Any) -> None:
+        self._cluster.forget(node)
 
-    def drain_output(self) -> None:
-        """Nothing to do here: a node passes on a rank's output before its answer."""
+    def kill(self, node: Any) -> None:
+        self._ray.kill(self._cluster.helper(node))
 
-    def wake(self) -> None:
-        """Nothing to do here: the poll loop looks at its judge at least every 0.2 s."""
-
-    def serve(self, judge: Any) -> Any:
-        """Poll the nodes, feeding ``judge``, until its verdict (returned) or ``stop`` (None);
-        tears down. A session's loop."""
-        try:
-            return self._watch(judge, on_stop=None)
-        finally:
-            self._teardown()
-
-    def teardown(self) -> None:
-        self._teardown()
-
-    def _supervise(self, finish: Finish) -> None:
-        result = Outcome("failed")
-        referee = self._referee
-        assert referee is not None
-        try:
-            result = self._watch(referee, on_stop=referee.stop)
-        except BaseException as exc:  # a bug of ours must still end the run cleanly
-            result = Outcome("failed", error=our_bug("cluster supervisor", exc))
-        finally:
-            self._teardown()
-            finish(result)
-
-    def _watch(self, judge: Any, on_stop: Any) -> Any:
-        """``on_stop``: how a stop reaches the judge (None: the loop just ends)."""
-        import ray
-        from ray.exceptions import RayError
-
-        polls = {h.poll.remote(self._run_id, _POLL): i for i, h in enumerate(self._helpers)}
-        while True:
-            deadline = judge.deadline()
-            wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
-            ready, _ = ray.wait(list(polls), num_returns=1, timeout=wait) if polls else ([], [])
-            if not polls:
-                time.sleep(wait)
-            for ref in ready:
-                node_rank = polls.pop(ref)
-                try:
-                    happened, over = ray.get(ref)
-                except RayError as exc:  # the helper died: its node, or it, was lost
-                    self._lost(judge, node_rank, exc)
-                    continue
-                for event in happened:
-                    judge.event(event)
-                if not over:
-                    helper = self._helpers[node_rank]
-                    polls[helper.poll.remote(self._run_id, _POLL)] = node_rank
-            if self._stop.is_set():
-                if on_stop is None:
-                    return None
-                on_stop()
-            verdict = judge.verdict()
-            if verdict is not None:
-                return verdict
-
-    def _lost(self, judge: Any, node_rank: int, error: Exception) -> None:
-        per_node = self.plan.workers_per_node
-        address = self.nodes[node_rank]
-        self._intact = False
-        self._cluster.forget(self._node_ids[node_rank])
-        first = node_rank * per_node
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        judge.event(NodeLost(tuple(range(first, first + per_node)), address, reason))
-
-    # -- the end ---------------------------------------------------------------------------
-
-    def _teardown(self) -> None:
-        import ray
+    def release(self, intact: bool) -> None:
         from ray.exceptions import GetTimeoutError, RayError
         from ray.util import remove_placement_group
 
-        stops = {
-            self._helpers[i].stop.remote(self._run_id): i
-            for i in self._started
-            if i < len(self._helpers)
-        }
-        if stops:
-            done, pending = ray.wait(list(stops), num_returns=len(stops), timeout=TERM_GRACE + 10)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except RayError:
-                    self._intact = False
-                    self._cluster.forget(self._node_ids[stops[ref]])
-            for ref in pending:  # the backstop: a helper that does not answer goes
-                self._intact = False
-                node_rank = stops[ref]
-                ray.kill(self._helpers[node_rank])
-                self._cluster.forget(self._node_ids[node_rank])
-        self._started.clear()
-        if self._placement is not None:
-            if self._intact:  # the next launch of this shape starts on it at once
-                self._cluster.keep_reservation(self._shape, self._placement)
-            else:
-                with contextlib.suppress(RayError, GetTimeoutError):
-                    remove_placement_group(self._placement)
-            self._placement = None
-        if self._call is not None:
-            self._call.close()
-            self._call = None
+        if self._placement is None:
+            return
+        if intact:  # the next launch of this shape starts on it at once
+            self._cluster.keep_reservation(self._shape, self._placement)
+        else:
+            with contextlib.suppress(RayError, GetTimeoutError):
+                remove_placement_group(self._placement)
+        self._placement = None
