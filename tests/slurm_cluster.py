@@ -20,7 +20,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-NAMESPACES = ("nbddp-slurm-a", "nbddp-slurm-b")
+# Named per process: two runs on one machine (a developer's and CI's) never touch each other's.
+_RUN = os.getpid() % 100000
+NAMESPACES = (f"nbddp-slurm-a{_RUN}", f"nbddp-slurm-b{_RUN}")
+VETHS = (f"nbddp-sa{_RUN}", f"nbddp-sb{_RUN}")  # each node's end of the pair
 ADDRESSES = ("10.201.0.1", "10.201.0.2")
 NODES = ("nodea", "nodeb")
 PROGRAMS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "squeue", "scontrol", "ip")
@@ -106,9 +109,9 @@ def _namespaces() -> None:
     for ns in NAMESPACES:
         subprocess.run(["ip", "netns", "add", ns], check=True)
     subprocess.run(
-        ["ip", "link", "add", "nbddp-sa", "type", "veth", "peer", "name", "nbddp-sb"], check=True
+        ["ip", "link", "add", VETHS[0], "type", "veth", "peer", "name", VETHS[1]], check=True
     )
-    for ns, end, address in zip(NAMESPACES, ("nbddp-sa", "nbddp-sb"), ADDRESSES, strict=True):
+    for ns, end, address in zip(NAMESPACES, VETHS, ADDRESSES, strict=True):
         subprocess.run(["ip", "link", "set", end, "netns", ns], check=True)
         subprocess.run(["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", end], check=True)
         subprocess.run(["ip", "-n", ns, "link", "set", end, "up"], check=True)

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from slurm_cluster import slurm_cluster, why_not
+from slurm_cluster import VETHS, slurm_cluster, why_not
 
 import nbddp
 
@@ -55,7 +55,7 @@ def test_the_batch_file_runs_the_function_on_both_nodes(slurm, tmp_path):
     assert done.returncode == 0, done.stderr + output
     value = pickle.loads((tmp_path / "train.result.pkl").read_bytes())
     # one rank per node, each on the interface that reaches node 0 (not the hostname's address)
-    assert value == [[6.0, 6.0, 6.0], [("0", "nbddp-sa"), ("1", "nbddp-sb")]]
+    assert value == [[6.0, 6.0, 6.0], [("0", VETHS[0]), ("1", VETHS[1])]]
     assert slurm.queue() == []
 
 
