@@ -187,6 +187,37 @@ def test_a_failing_rank_names_its_node(slurm, tmp_path):
     assert took < 60, f"rank 0 ran on for {took:.0f} s after rank 1 failed"
 
 
+def test_a_lost_node_fails_the_launch_naming_it_and_the_next_launch_starts_anew(slurm, tmp_path):
+    result, _ = run_kernel(
+        slurm,
+        tmp_path,
+        """
+        import psutil, signal
+
+        def loses_node_b():
+            import torch.distributed as dist
+            if dist.get_rank() == 1:  # its node's helper: the forkserver's parent
+                helper = psutil.Process(os.getppid()).parent()
+                assert "nbddp.clusters.slurm.node" in " ".join(helper.cmdline())
+                helper.send_signal(signal.SIGKILL)
+            time.sleep(120)
+
+        started = time.monotonic()
+        try:
+            nbddp.notebook_launch(loses_node_b, cluster="slurm", display="none")
+        except nbddp.WorkerError as exc:
+            error = [exc.rank, exc.node, str(exc), time.monotonic() - started]
+        again = nbddp.notebook_launch(abs, (-2,), cluster="slurm", display="none")
+        print("RESULT " + json.dumps([error, again]))
+        """,
+    )
+    (rank, node, message, took), again = result
+    assert (rank, node) == (1, "10.201.0.2"), message
+    assert "lost" in message, message
+    assert took < 60
+    assert again == 2  # on helpers started anew
+
+
 def test_stop_timeout_and_rank_0s_output_on_the_allocation(slurm, tmp_path):
     result, done = run_kernel(
         slurm,
@@ -438,10 +469,14 @@ def test_a_pending_allocation_shows_its_state_and_an_interrupt_cancels_it(slurm,
     path = script(
         tmp_path,
         """
+        import subprocess
+
         try:
             nbddp.notebook_launch(abs, (-1,), cluster=nbddp.SlurmCluster(nodes=2))
-        except KeyboardInterrupt:
-            print("INTERRUPTED", flush=True)
+        except KeyboardInterrupt:  # the queue as the interrupt left it, before the exit's
+            queue = subprocess.run(["squeue", "--noheader", "--format=%i"],
+                                   capture_output=True, text=True).stdout.split()
+            print("INTERRUPTED " + json.dumps(queue), flush=True)
         """,
     )
     proc = subprocess.Popen(
@@ -462,7 +497,7 @@ def test_a_pending_allocation_shows_its_state_and_an_interrupt_cancels_it(slurm,
         python.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert "INTERRUPTED" in out
-        assert [job.split()[0] for job in slurm.queue()] == [blocker]  # ours was cancelled
+        assert json.loads(out.split("INTERRUPTED ")[1]) == [blocker]  # ours was cancelled
     finally:
         if proc.poll() is None:
             proc.kill()
