@@ -59,7 +59,7 @@ def test_a_rank_that_skips_an_all_reduce_is_named_with_both_lines(kernel):
         "    else:\n"
         "        time.sleep(600)\n",
     )
-    out = rollcall_of(kernel, "skipping", ["time.sleep", "waits in"], n=3)
+    out = rollcall_of(kernel, "skipping", ["time.sleep", "wait in all_reduce"], n=3)
     assert re.search(
         rf"ranks 0, 2 wait in all_reduce \(#\d+, \[3\]\) at Cell In\[{n}\], line 5", out
     ), out
