@@ -8,8 +8,10 @@ Non-goal: starting processes on the nodes (``link.py``).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import shutil
+import socket
 import subprocess
 from collections.abc import Sequence
 
@@ -116,11 +118,27 @@ def node_addresses(names: list[str]) -> dict[str, str]:
     for line in text.splitlines():
         fields = _fields(line)
         if "NodeName" in fields:
-            addresses[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
+            address = fields.get("NodeAddr") or fields["NodeName"]
+            addresses[fields["NodeName"]] = ipv4(address)
     missing = [n for n in names if n not in addresses]
     if missing:
         raise SlurmCommandError(f"scontrol knows no node {', '.join(missing)}")
     return addresses
+
+
+def ipv4(address: str) -> str:
+    """A node's address as an IPv4 address when its name resolves to one that is not
+    loopback (gloo's interface is found by address); else as Slurm gave it."""
+    try:
+        ipaddress.IPv4Address(address)
+        return address
+    except ValueError:
+        pass
+    try:
+        resolved = socket.gethostbyname(address)
+    except OSError:
+        return address
+    return address if resolved.startswith("127.") else resolved
 
 
 def submit_sleeper(options: Sequence[str]) -> str:

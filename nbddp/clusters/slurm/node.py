@@ -14,6 +14,7 @@ Non-goal: deciding anything about a run (the kernel's referee does).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import pickle
 import sys
@@ -64,6 +65,14 @@ def _portable_error(exc: BaseException) -> BaseException:
         return NbddpError(f"a Slurm node's helper failed:\n{text}")
 
 
+def _is_ipv4(address: str) -> bool:
+    try:
+        ipaddress.IPv4Address(address)
+    except ValueError:
+        return False
+    return True
+
+
 def main() -> int:
     address = os.environ.pop(ADDRESS_VARIABLE)
     key = bytes.fromhex(os.environ.pop(KEY_VARIABLE))
@@ -74,7 +83,8 @@ def main() -> int:
         print(f"nbddp: node {name} is not among {sorted(addresses)}", file=sys.stderr)
         return 2
     conn = connect(address, key)
-    core = NodeCore(own, store_host=own)  # the store listens where MASTER_ADDR points only
+    # the store listens where MASTER_ADDR points only (every address, for a node's name)
+    core = NodeCore(own, store_host=own if _is_ipv4(own) else "")
     conn.send(Hello(name, os.getpid()))
     pool = ThreadPoolExecutor(CONCURRENCY, thread_name_prefix="nbddp-node-call")
     try:
