@@ -348,6 +348,7 @@ def test_the_functions_own_init_process_group_joins_the_scripts_world(tmp_path):
     assert "already joined the process group as rank 0 of 1" in done.stderr
 
 
-def test_cluster_slurm_says_how_to_run_on_slurm_today():
-    with pytest.raises(ValueError, match=r"not built yet.*nbddp\.export\(fn, 'train\.py'"):
+def test_cluster_slurm_outside_an_allocation_says_how_to_run_on_slurm(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(ValueError, match=r"not in one.*nbddp\.SlurmCluster\(.*nbddp\.export\("):
         nbddp.notebook_launch(adds, (1.0,), cluster="slurm")

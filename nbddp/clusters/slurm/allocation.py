@@ -49,7 +49,9 @@ def current_allocation() -> SlurmCluster:
             "cluster='slurm' runs the ranks on the Slurm allocation this kernel runs in, but "
             "this kernel is not in one (no SLURM_JOB_ID in its environment). From a login "
             "node, ask Slurm for one: cluster=nbddp.SlurmCluster(nodes=2, gpus_per_node=..., "
-            "time='1:00:00'), or start the notebook inside an allocation (salloc, sbatch)."
+            "time='1:00:00'), start the notebook inside an allocation (salloc, sbatch), or "
+            "write the launch as a batch job: nbddp.export(fn, 'train.py', num_workers=..., "
+            "nodes=...) then `sbatch train.sbatch`."
         )
     with _lock:
         cluster = _current.get(job_id)
