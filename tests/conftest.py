@@ -207,3 +207,15 @@ def kernel() -> Iterator[Kernel]:
     k.run("import time\nimport torch\nimport nbddp")
     yield k
     k.shutdown()
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real Slurm in two network namespaces (``slurm_cluster.py``), one per test module."""
+    from slurm_cluster import slurm_cluster, why_not
+
+    reason = why_not()
+    if reason is not None:
+        pytest.skip(f"no test Slurm: {reason}")
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster

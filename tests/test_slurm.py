@@ -9,20 +9,11 @@ import sys
 import time
 
 import pytest
-from slurm_cluster import VETHS, slurm_cluster, why_not
+from slurm_cluster import VETHS
 
 import nbddp
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    reason = why_not()
-    if reason is not None:
-        pytest.skip(f"no test Slurm: {reason}")
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
-        yield cluster
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -20,21 +20,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from slurm_cluster import NAMESPACES, slurm_cluster, why_not
+from slurm_cluster import NAMESPACES
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 HELPER = "nbddp.clusters.slurm.node"
 ROOT = str(Path(__file__).resolve().parents[1])
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    reason = why_not()
-    if reason is not None:
-        pytest.skip(f"no test Slurm: {reason}")
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
-        yield cluster
 
 
 @pytest.fixture(autouse=True)
