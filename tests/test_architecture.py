@@ -41,6 +41,7 @@ ALLOWED = {
     },
     "clusters": {
         "backend",
+        "display",
         "environment",
         "errors",
         "interrupts",

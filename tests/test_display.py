@@ -122,3 +122,35 @@ def test_the_live_loop_renders_snapshots_while_the_state_changes():
     display.close()
     assert seen and all(s.latest in ({}, {"loss": 2.0}) for s in seen)
     assert all(len(points) <= 300 for s in seen for points in s.series.values())
+
+
+def test_a_notice_is_one_line_updated_in_place_in_a_notebook(kernel):
+    """A Slurm job waiting in the queue: one output redrawn at every look, not a line each."""
+    messages: list[dict] = []
+    out, reply = kernel.run(
+        "from nbddp.display.notice import Notice\n"
+        "notice = Notice()\n"
+        "for text in ('job 7 is PENDING (Priority)', 'job 7 is PENDING (Priority)',\n"
+        "             'job 7 is PENDING (Resources)'):\n"
+        "    notice.show(text)\n",
+        messages=messages,
+    )
+    assert reply["status"] == "ok", out
+    shown = [m for m in messages if m["msg_type"] == "display_data"]
+    updates = [m for m in messages if m["msg_type"] == "update_display_data"]
+    assert len(shown) == 1 and len(updates) == 2
+    assert shown[0]["content"]["data"]["text/plain"] == "nbddp: job 7 is PENDING (Priority)"
+    assert "Resources" in updates[-1]["content"]["data"]["text/html"]
+    assert not [m for m in messages if m["msg_type"] == "stream"]
+
+
+def test_a_notice_outside_a_notebook_prints_each_change_once(capsys):
+    from nbddp.display.notice import Notice
+
+    notice = Notice()
+    for text in ("job 7 is PENDING (Priority)", "job 7 is PENDING (Priority)", "job 7 runs"):
+        notice.show(text)
+    assert capsys.readouterr().err.splitlines() == [
+        "nbddp: job 7 is PENDING (Priority)",
+        "nbddp: job 7 runs",
+    ]

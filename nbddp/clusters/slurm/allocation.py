@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from nbddp.clusters.placement import NodeInfo
 from nbddp.clusters.slurm import commands
 from nbddp.clusters.slurm.commands import SlurmCommandError
+from nbddp.display.notice import Notice
 from nbddp.errors import NbddpError
 
 if TYPE_CHECKING:
@@ -128,12 +128,13 @@ class SlurmCluster:
 
     def _wait_running(self) -> None:
         assert self.job_id is not None
-        shown = None
+        shown = False
+        notice = Notice()  # one line in the cell, updated as the job's state changes
         while True:
             state, reason = commands.job_state(self.job_id)
             if state == "RUNNING":
-                if shown is not None:
-                    _say(f"Slurm job {self.job_id} is running: launching.")
+                if shown:
+                    notice.show(f"Slurm job {self.job_id} is running: launching.")
                 return
             if reason in commands.NEVER:
                 raise ValueError(
@@ -146,14 +147,13 @@ class SlurmCluster:
                     f"Slurm job {self.job_id}, the allocation nbddp asked for, ended before it "
                     f"ran ({state or 'it left the queue'}{f': {reason}' if reason else ''})."
                 )
-            if (state, reason) != shown:
-                shown = (state, reason)
-                _say(
-                    f"Slurm job {self.job_id} is {state}"
-                    f"{f' ({reason})' if reason and reason != 'None' else ''}: waiting for "
-                    f"its allocation ({' '.join(self._options) or 'defaults'}). Interrupt "
-                    "the kernel to cancel it."
-                )
+            shown = True
+            notice.show(
+                f"Slurm job {self.job_id} is {state}"
+                f"{f' ({reason})' if reason and reason != 'None' else ''}: waiting for "
+                f"its allocation ({' '.join(self._options) or 'defaults'}). Interrupt "
+                "the kernel to cancel it."
+            )
             time.sleep(POLL_QUEUE)
 
     def _close_at_exit(self) -> None:
@@ -221,10 +221,6 @@ class SlurmCluster:
                 self._close_at_exit()
                 self._step = HelperStep(self.job_id, nodes)
             return [self._step.links[node.id] for node in nodes[:count]]
-
-
-def _say(text: str) -> None:
-    print(f"nbddp: {text}", file=sys.stderr, flush=True)
 
 
 def _sbatch_options(
