@@ -128,3 +128,38 @@ def test_the_helper_ends_with_its_kernel(kernel_factory):
     while running(helper) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running(helper)
+
+
+def nbddp_modules() -> list[str]:
+    import sys
+
+    return sorted(name for name in sys.modules if name.startswith("nbddp"))
+
+
+def test_a_warm_rank_imports_no_nbddp_module_of_its_own(ready_helper):
+    """Whatever a rank imports after the fork, every launch pays for again (~3 ms for one
+    module): the helper's preloads hold all of it."""
+    import subprocess
+
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        in_rank = nbddp.notebook_launch(nbddp_modules, **TWO_CPU_QUIET)
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    preloaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import importlib, sys\n"
+            "from nbddp.worker.forkserver import PRELOADED\n"
+            "for name in PRELOADED: importlib.import_module(name)\n"
+            "print(' '.join(n for n in sys.modules if n.startswith('nbddp')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    helper_only = {"nbddp.wire.helper", "nbddp.worker.forkserver"}  # the helper's own code
+    assert set(in_rank) - set(preloaded) - helper_only == set()
