@@ -18,7 +18,9 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,7 +228,8 @@ def _open_and_run(page, url: str) -> None:
     page.keyboard.press("Shift+Enter")
 
 
-def _rising_progress(page, seconds: float) -> list[int]:
+def _progress_rises(page, seconds: float) -> None:
+    """The panel's bars, read live: their total takes at least three values, never falling."""
     page.wait_for_selector(".nbddp-panel .nbddp-bar progress", timeout=90_000)
     seen: list[int] = []
     deadline = time.monotonic() + seconds
@@ -236,10 +239,35 @@ def _rising_progress(page, seconds: float) -> list[int]:
         )
         seen.append(sum(int(v) for v in values))
         time.sleep(0.5)
-    return seen
+    assert len(set(seen)) >= 3 and seen == sorted(seen), f"progress did not rise: {seen}"
 
 
-def _keep(shot: Path, name: str) -> None:
+@contextmanager
+def _running(jupyterlab: tuple[str, Path], notebook: str) -> Iterator[Any]:
+    """A headless Chromium page with ``notebook`` open in JupyterLab and its cell running;
+    skips with the reason where the browser test cannot run."""
+    reason = _missing()
+    if reason:
+        pytest.skip(f"browser test cannot run here: {reason}")
+    from playwright.sync_api import sync_playwright
+
+    url, _ = jupyterlab
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            _open_and_run(page, url.format(notebook=notebook))
+            yield page
+        finally:
+            browser.close()
+
+
+def _screenshot(page: Any, folder: Path, name: str) -> None:
+    """The cell's output as a picture (kept for the README with ``NBDDP_SCREENSHOT``)."""
+    shot = folder / name
+    page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
     if os.environ.get("NBDDP_SCREENSHOT"):
         shutil.copy(shot, Path(os.environ["NBDDP_SCREENSHOT"]) / name)
 
@@ -250,124 +278,55 @@ def test_the_panel_and_rich_output_without_the_widgets_extension(
 ) -> None:
     """No widget manager: the panel still updates live (an HTML output updated in place), and
     the ranks' HTML and matplotlib figure render in the cell."""
-    reason = _missing()
-    if reason:
-        pytest.skip(f"browser test cannot run here: {reason}")
-    from playwright.sync_api import sync_playwright
+    with _running(jupyterlab_without_widgets, "rich.ipynb") as page:
+        _progress_rises(page, 40)
+        assert "averaged over 2 ranks" in page.inner_text(".nbddp-panel")
+        assert page.locator("text=Loading widget").count() == 0
+        assert page.inner_text(".jp-OutputArea-output b.from-rank") == "hello from rank 0"
+        _screenshot(page, jupyterlab_without_widgets[1], "live-panel-no-widgets.png")
 
-    url, folder = jupyterlab_without_widgets
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            _open_and_run(page, url.format(notebook="rich.ipynb"))
-            seen = _rising_progress(page, 40)
-            assert len(set(seen)) >= 3 and seen == sorted(seen), f"progress did not rise: {seen}"
-            assert "averaged over 2 ranks" in page.inner_text(".nbddp-panel")
-            assert page.locator("text=Loading widget").count() == 0
-            assert page.inner_text(".jp-OutputArea-output b.from-rank") == "hello from rank 0"
-            shot = folder / "live-panel-no-widgets.png"
-            page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
-            _keep(shot, "live-panel-no-widgets.png")
-
-            page.wait_for_selector(".nbddp-summary", timeout=60_000)
-            figure = page.wait_for_selector(".jp-OutputArea-output img", timeout=30_000)
-            assert figure.evaluate("img => img.naturalWidth") > 100  # a decoded PNG
-            shot = folder / "rich-output.png"
-            page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
-            _keep(shot, "rich-output.png")
-        finally:
-            browser.close()
+        page.wait_for_selector(".nbddp-summary", timeout=60_000)
+        figure = page.wait_for_selector(".jp-OutputArea-output img", timeout=30_000)
+        assert figure.evaluate("img => img.naturalWidth") > 100  # a decoded PNG
+        _screenshot(page, jupyterlab_without_widgets[1], "rich-output.png")
 
 
 @pytest.mark.slow
 def test_live_panel_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
-    reason = _missing()
-    if reason:
-        pytest.skip(f"browser test cannot run here: {reason}")
-    from playwright.sync_api import sync_playwright
+    with _running(jupyterlab, "live.ipynb") as page:
+        _progress_rises(page, 40)
 
-    url, folder = jupyterlab
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            _open_and_run(page, url.format(notebook="live.ipynb"))
-            seen = _rising_progress(page, 40)
-            assert len(set(seen)) >= 3 and seen == sorted(seen), f"progress did not rise: {seen}"
+        page.wait_for_selector(".nbddp-panel .nbddp-metrics", timeout=30_000)
+        table = page.inner_text(".nbddp-panel .nbddp-metrics")
+        assert "loss" in table and "lr" in table
+        assert "averaged over 2 ranks" in page.inner_text(".nbddp-panel")
+        _screenshot(page, jupyterlab[1], "live-widget.png")
 
-            page.wait_for_selector(".nbddp-panel .nbddp-metrics", timeout=30_000)
-            table = page.inner_text(".nbddp-panel .nbddp-metrics")
-            assert "loss" in table and "lr" in table
-            assert "averaged over 2 ranks" in page.inner_text(".nbddp-panel")
-            shot = folder / "live-widget.png"
-            page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
-            _keep(shot, "live-widget.png")
-
-            page.wait_for_selector(".nbddp-summary", timeout=60_000)  # the static summary
-            summary = page.inner_text(".nbddp-summary")
-            assert "done" in summary and "epoch 1 done" in summary
-        finally:
-            browser.close()
+        page.wait_for_selector(".nbddp-summary", timeout=60_000)  # the static summary
+        summary = page.inner_text(".nbddp-summary")
+        assert "done" in summary and "epoch 1 done" in summary
 
 
 @pytest.mark.slow
 def test_an_hf_trainer_shows_its_bar_and_metrics_in_the_panel(jupyterlab: tuple[str, Path]):
-    reason = _missing()
-    if reason:
-        pytest.skip(f"browser test cannot run here: {reason}")
-    from playwright.sync_api import sync_playwright
-
-    url, folder = jupyterlab
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            _open_and_run(page, url.format(notebook="hf.ipynb"))
-            seen = _rising_progress(page, 60)  # the Trainer's own tqdm bar, as a panel bar
-            assert len(set(seen)) >= 3 and seen == sorted(seen), f"progress did not rise: {seen}"
-            page.wait_for_selector(".nbddp-panel .nbddp-metrics", timeout=60_000)
-            page.wait_for_selector(".nbddp-panel .nbddp-chart", timeout=60_000)
-            table = page.inner_text(".nbddp-panel .nbddp-metrics")
-            assert "loss" in table and "learning_rate" in table and "grad_norm" in table
-            shot = folder / "hf-trainer.png"
-            page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
-            _keep(shot, "hf-trainer.png")
-            page.wait_for_selector(".nbddp-summary", timeout=120_000)
-            assert "done" in page.inner_text(".nbddp-summary")
-        finally:
-            browser.close()
+    with _running(jupyterlab, "hf.ipynb") as page:
+        _progress_rises(page, 60)  # the Trainer's own tqdm bar, as a panel bar
+        page.wait_for_selector(".nbddp-panel .nbddp-metrics", timeout=60_000)
+        page.wait_for_selector(".nbddp-panel .nbddp-chart", timeout=60_000)
+        table = page.inner_text(".nbddp-panel .nbddp-metrics")
+        assert "loss" in table and "learning_rate" in table and "grad_norm" in table
+        _screenshot(page, jupyterlab[1], "hf-trainer.png")
+        page.wait_for_selector(".nbddp-summary", timeout=120_000)
+        assert "done" in page.inner_text(".nbddp-summary")
 
 
 @pytest.mark.slow
 def test_the_stall_banner_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
     """A rank that skips an all_reduce: the panel shows the roll-call by itself."""
-    reason = _missing()
-    if reason:
-        pytest.skip(f"browser test cannot run here: {reason}")
-    from playwright.sync_api import sync_playwright
-
-    url, folder = jupyterlab
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            _open_and_run(page, url.format(notebook="stall.ipynb"))
-            page.wait_for_selector(".nbddp-panel .nbddp-stall", timeout=90_000)
-            banner = page.inner_text(".nbddp-panel .nbddp-stall")
-            assert "rank 1 is the odd one out" in banner, banner
-            assert "ranks 0, 2 wait in all_reduce" in banner and "Cell In[1], line 8" in banner
-            shot = folder / "stall-banner.png"
-            page.locator(".jp-Cell-outputArea").first.screenshot(path=str(shot))
-            _keep(shot, "stall-banner.png")
-            page.wait_for_selector(".nbddp-summary .nbddp-stall", timeout=90_000)
-        finally:
-            browser.close()
+    with _running(jupyterlab, "stall.ipynb") as page:
+        page.wait_for_selector(".nbddp-panel .nbddp-stall", timeout=90_000)
+        banner = page.inner_text(".nbddp-panel .nbddp-stall")
+        assert "rank 1 is the odd one out" in banner, banner
+        assert "ranks 0, 2 wait in all_reduce" in banner and "Cell In[1], line 8" in banner
+        _screenshot(page, jupyterlab[1], "stall-banner.png")
+        page.wait_for_selector(".nbddp-summary .nbddp-stall", timeout=90_000)
