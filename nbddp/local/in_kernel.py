@@ -56,19 +56,20 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
 
     device = torch.device("cuda", plan.gpus[0]) if plan.device == "cuda" else torch.device("cpu")
     run_id = new_run_id()
-    env = {
-        **torchrun_env(single_node(0, 1), "127.0.0.1", free_port(), run_id),
-        RUN_ID_VARIABLE: run_id,
-        **plan.env,
-    }
-    # A launcher's variables in the kernel (a Slurm job's, torchrun's) are hidden meanwhile.
-    hidden = [n for n in os.environ if is_launcher_variable(n) and n not in env]
-    saved = {name: os.environ.get(name) for name in [*env, *hidden]}
+    saved: dict[str, str | None] = {}  # what the finally puts back
     made_group = False
     previous_cuda = None
     excepthook = sys.excepthook
     try:
         with interrupts.deferred():  # the world is built whole; the finally takes it down
+            env = {  # free_port's socket is closed, whenever the interrupt comes
+                **torchrun_env(single_node(0, 1), "127.0.0.1", free_port(), run_id),
+                RUN_ID_VARIABLE: run_id,
+                **plan.env,
+            }
+            # A launcher's variables in the kernel (a Slurm job's, torchrun's) are hidden.
+            hidden = [n for n in os.environ if is_launcher_variable(n) and n not in env]
+            saved.update({name: os.environ.get(name) for name in [*env, *hidden]})
             for name in hidden:
                 del os.environ[name]
             os.environ.update(env)
