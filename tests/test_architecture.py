@@ -226,7 +226,9 @@ SHARED_API_MD = PACKAGE.parent.parent / "shared" / "API.md"
 EXTRA = {"Run", "RunStopped", "NbddpWarning"}  # the handle, the other error and warning
 # Names the contract has that no landed issue has built yet; each must really be missing, so
 # that building it forces this list to shrink.
-PENDING: set[str] = set()
+# Contract names whose issue has not landed yet (each must really be missing: the test says when
+# one is built): "Stopping well" (#32), "Debugging a rank" (#33), "Detached runs" (#34).
+PENDING: set[str] = {"stopping", "checkpoint", "restore", "breakpoint", "runs", "attach", "RunInfo"}
 
 
 def contract_names() -> set[str]:

@@ -3,7 +3,7 @@
 Each rank sends a :class:`~nbddp.wire.messages.SyncCheck` with its result (see
 ``nbddp/worker/sync_check.py``): a fingerprint of every DDP model it built, how many
 collectives it ran, whether an optimizer stepped. :func:`judge` is a pure function of them
-(tested by a table in ``tests/test_sync_check.py``), and says in plain words what went wrong:
+(tested by a table in ``tests/rules/test_sync_check.py``), and says in plain words what went wrong:
 
 * a model's fingerprints differ across ranks: the ranks trained their copies independently
   (the classic: the model is wrapped in DDP, but the unwrapped module is trained);

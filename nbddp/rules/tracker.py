@@ -3,7 +3,7 @@
 When one rank fails, its peers usually fail too, because of it: a peer waiting in a collective
 reports that its connection closed. The root cause is what the user must see first, so the
 choice is made by :func:`root_cause`, a pure function of the failures (tested by a table in
-``tests/test_tracker.py``):
+``tests/rules/test_tracker.py``):
 
 1. the earliest rank that raised or died on its own (not about a lost peer);
 2. else the earliest rank that ended while its peers still ran (it returned, or called

@@ -25,7 +25,7 @@ from slurm_cluster import NAMESPACES
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 HELPER = "nbddp.clusters.slurm.node"
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 @pytest.fixture(autouse=True)
