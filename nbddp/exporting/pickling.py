@@ -21,9 +21,8 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-import cloudpickle
-
 from nbddp.errors import SerializationError
+from nbddp.wire.code_origin import OriginPickler
 from nbddp.wire.culprit import describe, function_children, locate_unpicklable
 from nbddp.wire.payload import check_picklable
 
@@ -41,8 +40,9 @@ _STRINGS = frozenset(
 )
 
 
-class ExportPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle is untyped
-    """cloudpickle, with GPU tensors marked for the rank's device and DDP unwrapped."""
+class ExportPickler(OriginPickler):
+    """cloudpickle (code keeping the name of its cell: ``code_origin``), with GPU tensors
+    marked for the rank's device and DDP unwrapped."""
 
     def __init__(self, file: Any) -> None:
         super().__init__(file, protocol=PROTOCOL)

@@ -22,18 +22,18 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import cloudpickle
-
 from nbddp.errors import SerializationError
 from nbddp.wire import in_place
+from nbddp.wire.code_origin import OriginPickler
 from nbddp.wire.culprit import locate_unpicklable
 
 PROTOCOL = 5
 _ARRIVAL_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar("arrival", default=None)
 
 
-class TransferPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle is untyped
-    """cloudpickle, plus: tensors leave their device for the CPU and DDP wrappers drop away.
+class TransferPickler(OriginPickler):
+    """cloudpickle (code keeping the name of its cell: ``code_origin``), plus: tensors leave
+    their device for the CPU and DDP wrappers drop away.
 
     With a ``buffer_callback``, a dense tensor's bytes are not copied into the pickle stream:
     they travel as an out-of-band buffer that views the tensor's own memory. ``to_devices``

@@ -21,11 +21,15 @@ notebook's ``__main__`` is the user's to configure.
 
 from __future__ import annotations
 
+import io
+import pickle
 import sys
 import types
 from typing import Any
 
 import cloudpickle
+
+from nbddp.wire.code_origin import OriginPickler
 
 
 def install() -> None:
@@ -38,7 +42,7 @@ def install() -> None:
 
 def _reducer_override(pickler: Any, obj: Any) -> Any:
     if isinstance(obj, (type, types.FunctionType)) and _by_value(obj):
-        return _rebuild, (cloudpickle.dumps(obj),)
+        return _rebuild, (_dumps(obj),)
     return NotImplemented
 
 
@@ -54,6 +58,12 @@ def _by_value(obj: type | types.FunctionType) -> bool:
     for part in obj.__qualname__.split("."):
         found = getattr(found, part, None)
     return found is not obj  # a local class or closure, or a module's shadowed name
+
+
+def _dumps(obj: Any) -> bytes:
+    stream = io.BytesIO()
+    OriginPickler(stream, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)  # frames keep their cell
+    return stream.getvalue()
 
 
 def _rebuild(stream: bytes) -> Any:
