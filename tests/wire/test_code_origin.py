@@ -19,7 +19,7 @@ import pytest
 VERSIONS = ["3.0.0", "3.1.2", "newest"]
 CACHE = Path(sys.prefix) / "nbddp-test-cloudpickle"
 
-CELL = '''\
+CELL = """\
 import warnings
 
 def train(x):
@@ -37,7 +37,7 @@ class Model:
 def inner():
     import traceback
     return traceback.extract_stack()[-2]
-'''
+"""
 CELL_FILE = "/tmp/ipykernel_4242/1234567.py"  # as ipykernel names a cell's code
 
 KERNEL_SIDE = f"""
