@@ -16,7 +16,6 @@ import contextlib
 import contextvars
 import io
 import linecache
-import marshal
 import pickle
 import sys
 import types
@@ -63,11 +62,6 @@ class TransferPickler(OriginPickler):
         self.placed: dict[int, tuple[int, int, int]] = {}  # id(buffer): (fd, size, offset)
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, types.CodeType):
-            # As a .pyc holds it, file name included: cloudpickle >= 3.1.3 writes
-            # "<dynamic-code>" there, and a rank's traceback could no longer name the cell
-            # (``Cell In[n]``) nor show its lines. Kernel and ranks run the same Python.
-            return marshal.loads, (marshal.dumps(obj),)
         if isinstance(obj, types.ModuleType):
             self.modules.add(obj.__name__.split(".")[0])
         elif isinstance(obj, (types.FunctionType, type)):

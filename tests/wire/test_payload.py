@@ -76,25 +76,6 @@ def test_lambdas_closures_and_local_classes_travel_by_value():
     assert fn(*args, **kwargs) == 42
 
 
-def test_code_by_value_keeps_its_file_name_so_a_rank_can_name_the_cell():
-    """A notebook function's frames in a rank's traceback are found by their file name (the
-    cell's source is shipped under it, and the kernel maps it to ``Cell In[n]``)."""
-
-    def outer():
-        def inner():
-            return 1
-
-        return inner
-
-    namespace: dict = {}
-    cell = compile("def cell_function():\n    return 2\n", "/tmp/ipykernel_1/42.py", "exec")
-    exec(cell, namespace)
-    travelled = loads(dumps((outer, namespace["cell_function"]), what="test", root="pair"))
-    assert travelled[0]().__code__.co_filename == __file__
-    assert travelled[1].__code__.co_filename == "/tmp/ipykernel_1/42.py"
-    assert travelled[1]() == 2
-
-
 def test_results_are_unwrapped_from_ddp():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
