@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
+import site
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,8 +52,11 @@ class _Abort(BaseException):
 
 
 @contextmanager
-def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
-    """The kernel as rank 0 of a world of 1, for the length of the block."""
+def single_rank_world(plan: LaunchPlan, fn: Callable[..., Any] | None = None) -> Iterator[None]:
+    """The kernel as rank 0 of a world of 1, for the length of the block. The user's own
+    ``init_process_group`` is answered from its group, as a rank's is (``worker/world.py``),
+    also through a name bound to torch's function before the launch (in the notebook, in
+    ``fn``'s module or in the user's own modules)."""
     import torch
     import torch.distributed as dist
 
@@ -58,6 +64,7 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
     run_id = new_run_id()
     saved: dict[str, str | None] = {}  # what the finally puts back
     made_group = False
+    rebound: world.Rebound = []
     previous_cuda = None
     excepthook = sys.excepthook
     try:
@@ -80,11 +87,42 @@ def single_rank_world(plan: LaunchPlan) -> Iterator[None]:
                 # the user's own init_process_group(rank=0, world_size=1) is answered from it
                 world.join(plan.backend, 0, 1, store=dist.HashStore())  # type: ignore[attr-defined]
                 made_group = True
+                rebound = world.answer_bound_names(_user_namespaces(fn))
         with installed(Context(rank=0, local_rank=0, world_size=1, device=device)):
             yield
     finally:
         with interrupts.deferred():
+            world.unbind(rebound)
             _restore(saved, made_group, previous_cuda, excepthook)
+
+
+def _user_namespaces(fn: Callable[..., Any] | None) -> list[dict[str, Any]]:
+    """Where the user's code looks its names up: the notebook's, ``fn``'s module's, and the
+    user's own modules' (those outside the interpreter's and its packages' directories)."""
+    found: dict[int, dict[str, Any]] = {}
+    main = sys.modules.get("__main__")
+    target: Any = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    target = getattr(target, "__func__", target)
+    for namespace in (getattr(main, "__dict__", None), getattr(target, "__globals__", None)):
+        if isinstance(namespace, dict):
+            found[id(namespace)] = namespace
+    libraries = _library_directories()
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and not file.startswith(libraries):
+            found.setdefault(id(module.__dict__), module.__dict__)
+    return list(found.values())
+
+
+@functools.cache
+def _library_directories() -> tuple[str, ...]:
+    """The interpreter's and its packages' directories (as named and as resolved)."""
+    paths = sysconfig.get_paths()
+    places = [paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+    places += [*site.getsitepackages(), site.getusersitepackages()]
+    return tuple({os.path.join(p, "") for p in places + [os.path.realpath(p) for p in places]})
 
 
 def _restore(
@@ -209,7 +247,7 @@ class InKernel:
             # A blocking call owns the cell: its prints go to the panel, like a rank's would.
             panel = events.output if plan.block else None
             redirect = _redirected(panel) if panel is not None else contextlib.nullcontext()
-            with single_rank_world(plan), redirect:
+            with single_rank_world(plan, fn), redirect:
                 with self._lock:
                     if self._reason is not None:
                         raise _Abort

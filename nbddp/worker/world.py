@@ -24,7 +24,7 @@ import inspect
 import os
 import urllib.parse
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +103,34 @@ def leave() -> None:
     _install(world.original)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+Rebound = list[tuple[dict[str, Any], str, Callable[..., None]]]
+
+
+def answer_bound_names(namespaces: Iterable[dict[str, Any]]) -> Rebound:
+    """Names in ``namespaces`` bound to torch's own ``init_process_group`` answer too, until
+    :func:`unbind`. For the kernel's one-rank world: a notebook's ``from torch.distributed
+    import init_process_group``, run before the launch, holds torch's function, and nothing
+    is unpickled there to bind it anew (a rank's job is, after :func:`intercept`)."""
+    world = _world
+    if world is None:
+        return []
+    rebound: Rebound = []
+    for namespace in namespaces:
+        for name, value in list(namespace.items()):
+            if value is world.original:
+                namespace[name] = _answer
+                rebound.append((namespace, name, world.original))
+    return rebound
+
+
+def unbind(rebound: Rebound) -> None:
+    """Torch's function back in the names :func:`answer_bound_names` rebound (a name the
+    user bound to something else meanwhile keeps it)."""
+    for namespace, name, original in rebound:
+        if namespace.get(name) is _answer:
+            namespace[name] = original
 
 
 def ensure_group() -> None:

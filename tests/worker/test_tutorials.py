@@ -212,6 +212,54 @@ def test_one_rank_in_the_kernel_runs_the_tutorial_and_leaves_the_kernel_as_it_wa
     assert "after: False True False" in out
 
 
+def test_one_rank_in_the_kernel_answers_an_init_process_group_imported_by_name(tutorial):
+    """The tutorial's ``from torch.distributed import init_process_group``, run before the
+    launch, holds torch's own function: in the kernel's one-rank world it is answered too
+    (the same world; its MASTER_PORT, held by another program here, never bound; destroy and
+    init again), and is torch's own again afterwards."""
+    none_is_one = torch.cuda.device_count() <= 1  # nprocs=None: one rank per GPU
+    out, reply = tutorial.run(
+        "from torch.distributed import init_process_group, destroy_process_group\n"
+        "import socket\n"
+        "held = socket.socket()\n"
+        "held.bind(('127.0.0.1', 0))\n"
+        "held.listen()\n"
+        "def setup_by_name(rank, world_size):\n"
+        "    os.environ['MASTER_ADDR'] = 'localhost'\n"
+        "    os.environ['MASTER_PORT'] = str(held.getsockname()[1])\n"
+        "    init_process_group('gloo', rank=rank, world_size=world_size)\n"
+        "def demo_by_name(rank, world_size):\n"
+        "    setup_by_name(rank, world_size)\n"
+        "    first = dist.get_world_size()\n"
+        "    destroy_process_group()\n"
+        "    setup_by_name(rank, world_size)\n"
+        "    total = torch.ones(1)\n"
+        "    dist.all_reduce(total)\n"
+        "    destroy_process_group()\n"
+        "    return first, total.item()\n"
+        "print('world:', nbddp.spawn(demo_by_name, args=(1,), nprocs=1, device='cpu'))\n"
+        f"if {none_is_one}:\n"
+        "    print('default:', nbddp.spawn(demo_by_name, args=(1,), display='none'))\n"
+        "try:\n"
+        "    nbddp.spawn(demo_by_name, args=(2,), nprocs=1, device='cpu', display='none')\n"
+        "except ValueError as exc:\n"
+        "    print('another world:', exc)\n"
+        "held.close()\n"
+        "print('after:', init_process_group is dist.distributed_c10d.init_process_group,\n"
+        "      'nbddp' in init_process_group.__code__.co_filename, dist.is_initialized())\n"
+    )
+    assert reply["status"] == "ok", out
+    assert "world: (1, 1.0)" in out, out
+    if none_is_one:
+        assert "default: (1, 1.0)" in out, out
+    assert (
+        "another world: rank 0 raised ValueError: init_process_group(rank=0, world_size=2)" in out
+    )
+    assert "started this launch with 1 rank (this is rank 0)" in out
+    assert "nbddp.spawn(..., nprocs=2)" in out
+    assert "after: True False False" in out
+
+
 def test_a_ddp_cell_calling_init_process_group_itself(tutorial):
     out, reply = tutorial.run(
         "%%ddp -n 2 --device cpu --display none\n"
