@@ -38,22 +38,58 @@ def notebook_launch(
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank of a DDP job started from the notebook.
 
-    Returns rank 0's return value (a list of every rank's with ``return_all=True``; a running
-    :class:`nbddp.Run` with ``block=False``), tensors on the CPU and DDP wrappers unwrapped.
-    One resolved worker runs ``fn`` in the kernel itself. A failure on any rank ends every
-    rank and raises :class:`nbddp.WorkerError` here; a kernel interrupt ends every rank and
-    raises ``KeyboardInterrupt``. See API.md for each option.
+    Every rank is a fresh process (never a fork of the kernel) that sees the torchrun
+    environment and a default process group made before ``fn`` is called. One resolved worker
+    runs ``fn`` in the kernel itself (a world of 1). A failure on any rank ends every rank and
+    raises [nbddp.WorkerError][] here; a kernel interrupt ends every rank and raises
+    ``KeyboardInterrupt``. Bad arguments raise ``ValueError`` before any process starts.
 
     Tensors and arrays that ``fn`` captures are not copied per rank: their bytes sit once in
     shared memory that every rank maps copy-on-write (a rank's writes stay its own).
+    ``NBDDP_PREWARM=0`` in the environment turns the pre-warmed worker start off.
 
-    ``cluster="ray"`` (or ``"ray://host:port"``, a :class:`nbddp.RayCluster`, or the default
-    from :func:`nbddp.set_cluster`) runs ``nodes`` x ``workers_per_node`` ranks on a Ray
-    cluster instead of this machine, with the same results, errors and live view.
+    Args:
+        fn: The function each rank calls; defined in the notebook, a lambda or a closure: it
+            travels by value (cloudpickle) with the notebook globals, classes and functions it
+            uses; modules travel by name.
+        args: Positional arguments for ``fn``.
+        kwargs: Keyword arguments for ``fn``.
+        num_workers: How many ranks: an int, or "auto" (one per visible GPU; 1 without one,
+            which runs ``fn`` in the kernel).
+        device: "auto" (cuda when a GPU is visible), "cuda" or "cpu".
+        backend: None (nccl on cuda, gloo on cpu), "nccl" or "gloo".
+        gpus: The GPU indices to use, like ``CUDA_VISIBLE_DEVICES``. ``gpus=[0, 0]`` with
+            ``backend="gloo"`` puts two ranks on one GPU: a testing aid for single-GPU
+            machines (NCCL refuses it).
+        timeout: Seconds for the whole run, then every rank is ended and
+            [nbddp.LaunchTimeout][] raised; None: no limit.
+        display: The live view: "auto", "widget" (the HTML panel), "text" (tqdm-style
+            lines) or "none".
+        output: Whose prints and rich output reach the notebook: "rank0", "all" (each line
+            labelled with its rank) or "none".
+        return_all: Return every rank's value, as a list indexed by rank.
+        block: False returns a running [nbddp.Run][] at once; training goes on in the
+            background, with a Stop button below the panel.
+        env: Extra environment variables for the ranks (not the ones nbddp sets).
+        cluster: None for this machine; "ray", "ray://host:port" or an [nbddp.RayCluster][];
+            "slurm" or an [nbddp.SlurmCluster][]; the default is [nbddp.set_cluster][]'s.
+        nodes: Cluster nodes: an int, or "auto" (every alive node that can hold the ranks).
+        workers_per_node: Ranks per cluster node: an int, or "auto" (the node's GPUs on
+            cuda, 1 on cpu).
+        stall_after: Seconds without progress on any rank (log rows, bars, output, CPU time)
+            before the panel shows where each rank is; None turns the banner off. Nothing is
+            killed.
 
-    ``gpus=[0, 0]`` with ``backend="gloo"`` puts two ranks on one GPU: a testing aid for
-    single-GPU machines (NCCL refuses it). ``NBDDP_PREWARM=0`` in the environment turns the
-    pre-warmed worker start off.
+    Returns:
+        Rank 0's return value, with tensors on the CPU and DDP wrappers unwrapped (a list of
+        every rank's with ``return_all=True``; the [nbddp.Run][] with ``block=False``).
+
+    Raises:
+        ValueError: An argument is invalid (before any process starts).
+        nbddp.WorkerError: A rank failed; also an instance of the rank's own exception class
+            when it can be rebuilt.
+        nbddp.SerializationError: ``fn`` or what it captures cannot travel to the ranks.
+        nbddp.LaunchTimeout: The run took longer than ``timeout``.
     """
     __tracebackhide__ = True  # IPython: show the user's frames, not ours
     check_call(fn, args, kwargs)
@@ -83,14 +119,24 @@ def spawn(
     join: bool = True,
     **launch_options: Any,
 ) -> Any:
-    """A drop-in for ``torch.multiprocessing.spawn``: ``fn(i, *args)`` on every rank, ``i``
-    being the rank's local rank (the process index ``mp.spawn`` passes); ``nprocs`` ranks
-    (``None``: one per visible GPU, 1 without). Returns rank 0's return value (a running
-    :class:`nbddp.Run` with ``join=False``). ``launch_options`` are ``notebook_launch``'s
-    (``device``, ``timeout``, ``display``, ...); ``mp.spawn``'s ``daemon`` and
-    ``start_method`` are accepted and change nothing (ranks are always fresh processes that
-    never outlive the kernel). A tutorial's own ``init_process_group`` in ``fn`` is answered
-    with the group nbddp made, so porting is one changed line."""
+    """A drop-in for ``torch.multiprocessing.spawn``: ``fn(i, *args)`` on every rank.
+
+    ``i`` is the rank's local rank (the process index ``mp.spawn`` passes). ``mp.spawn``'s
+    ``daemon`` and ``start_method`` are accepted and change nothing (ranks are always fresh
+    processes that never outlive the kernel). A tutorial's own ``init_process_group`` in
+    ``fn`` is answered with the group nbddp made, so porting is one changed line.
+
+    Args:
+        fn: Called as ``fn(i, *args)`` on every rank.
+        args: The arguments after the rank's index.
+        nprocs: How many ranks (``num_workers``); None: one per visible GPU, 1 without.
+        join: False returns the running [nbddp.Run][] at once.
+        **launch_options: [nbddp.notebook_launch][]'s options (``device``, ``timeout``,
+            ``display``, ...).
+
+    Returns:
+        Rank 0's return value (the [nbddp.Run][] with ``join=False``).
+    """
     __tracebackhide__ = True  # IPython: show the user's frames, not ours
     options = _spawn_options(nprocs, join, launch_options)
     check_call(fn, args, None)

@@ -29,7 +29,8 @@ _last: Run | None = None
 
 
 def last_run() -> Run | None:
-    """The most recent :class:`Run` of this kernel, blocking launches included."""
+    """The most recent [nbddp.Run][] of this kernel, blocking launches included (None before
+    the first launch)."""
     return _last
 
 
@@ -47,8 +48,11 @@ class Run:
 
     def __init__(self, plan: LaunchPlan, backend: Backend, device_name: str) -> None:
         self.world_size = plan.world_size
+        """How many ranks the run has."""
         self.device = plan.device
+        """Where the ranks train: "cuda" or "cpu"."""
         self.backend = plan.backend
+        """The process group's backend: "nccl" or "gloo"."""
         self._plan = plan
         self._runner = backend
         self._state = RunState(
@@ -120,7 +124,7 @@ class Run:
             self._last_stacks = self._ask(lead * 0.8)
 
     def stacks(self, timeout: float = 5.0, native: bool = False) -> Stacks:
-        """Where every rank (and each of its threads) is right now: an :class:`nbddp.Stacks`,
+        """Where every rank (and each of its threads) is right now: an [nbddp.Stacks][],
         whose ``str()`` is the roll-call (ranks grouped by where they wait, the collective each
         is in, notebook frames as ``Cell In[n], line m``). Ranks that do not answer within
         ``timeout`` seconds are left out and named. ``native=True`` adds py-spy's native
@@ -157,13 +161,14 @@ class Run:
 
     @property
     def status(self) -> Status:
+        """The run's state: "running", then "succeeded", "failed" or "stopped"."""
         return self._outcome.status if self._outcome is not None else "running"
 
     @property
     def history(self) -> list[dict[str, Any]]:
         """The metrics of ``nbddp.log``, averaged across ranks: one dict per row, in order,
-        with ``step`` and, where known, ``epoch``. See ``display.metrics.History`` for the
-        memory policy of very long runs."""
+        with ``step`` and, where known, ``epoch``. Every row is kept up to 1,000,000 rows,
+        then every other row is dropped (and from then on every 2nd, 4th, ... row is kept)."""
         return self._state.history_rows()
 
     @property
@@ -215,7 +220,7 @@ class Run:
 
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's return value (every rank's with ``return_all``), or raise the run's error
-        (:class:`nbddp.RunStopped` for a stopped run)."""
+        ([nbddp.RunStopped][] for a stopped run)."""
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
         if not self._done.wait(timeout):
             raise TimeoutError(

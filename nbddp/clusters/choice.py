@@ -16,8 +16,8 @@ _default: Cluster | None = None
 
 def set_cluster(cluster: Any) -> None:
     """Launch on ``cluster`` by default from now on (``notebook_launch``, ``%%ddp``,
-    ``Session``): "ray", "ray://host:port", "slurm", a :class:`nbddp.RayCluster` or
-    :class:`nbddp.SlurmCluster`, or None for this machine."""
+    ``Session``): "ray", "ray://host:port", "slurm", an [nbddp.RayCluster][] or
+    [nbddp.SlurmCluster][], or None for this machine."""
     global _default
     _default = None if cluster is None else resolve(cluster)
 

@@ -132,7 +132,7 @@ def _ranks(ranks: list[int]) -> str:
 
 class Stacks:
     """Where every rank (and each of its threads) was when asked. ``str()`` is the roll-call;
-    ``stacks[r]`` is rank r's report (None: it did not answer); :attr:`odd_ones` the ranks the
+    ``stacks[r]`` is rank r's report (None: it did not answer); ``odd_ones`` the ranks the
     roll-call blames."""
 
     def __init__(

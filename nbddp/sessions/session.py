@@ -47,11 +47,14 @@ def set_current(session: Session | None) -> None:
 
 
 class Session:
-    """Ranks that stay up between cells. See API.md, "Sessions".
+    """Ranks that stay up between cells, each with a namespace of its own.
 
     ``session.run(fn, ...)`` has ``notebook_launch``'s semantics, and ``fn`` runs with the
     rank's session namespace as its globals: a global it reads resolves there first, then is
     shipped from the notebook; a global it assigns stays for later runs and cells.
+    ``with nbddp.Session(...) as session:`` or ``session.close()`` ends the ranks (so do the
+    kernel's exit and garbage collection). The options are [nbddp.notebook_launch][]'s, with
+    the same meaning. The ranks start here, before the first task.
     """
 
     def __init__(
@@ -77,8 +80,11 @@ class Session:
         )
         self._plan = plan
         self.world_size = plan.world_size
+        """How many ranks the session has."""
         self.device = plan.device
+        """Where the ranks train: "cuda" or "cpu"."""
         self.backend = plan.backend
+        """The process group's backend: "nccl" or "gloo"."""
         self._holder: list[SessionRanks | None] = [None]  # what the finalizer ends
         self._closed = False
         self._active: Run | None = None
@@ -113,7 +119,7 @@ class Session:
         its GPU; None on the CPU), ``restarted`` (when and why the session last replaced its
         ranks after a task: stuck, died, or collectives out of step; None if never) and
         ``where`` (the rank's place in a running task, else None). ``.stacks`` is the running
-        task's roll-call (:class:`nbddp.Stacks`), or None."""
+        task's roll-call ([nbddp.Stacks][]), or None."""
         return session_status(self.world_size, self._holder[0], self._active, self._restarted)
 
     # -- runs ----------------------------------------------------------------------------------
@@ -131,9 +137,21 @@ class Session:
         output: str = "rank0",
         stall_after: float | None = STALL_AFTER,
     ) -> Any:
-        """Run ``fn(*args, **kwargs)`` on every rank, in the session's namespace. Returns
-        rank 0's value (every rank's with ``return_all``; a :class:`nbddp.Run` with
-        ``block=False``); raises :class:`nbddp.WorkerError` when a rank raised."""
+        """Run ``fn(*args, **kwargs)`` on every rank, in the session's namespace.
+
+        ``fn`` runs with the rank's namespace as its globals: a global it reads resolves
+        there first, then is shipped from the notebook; a ``global`` it assigns stays on the
+        rank for later runs and ``%%ddp --session`` cells. The options are
+        [nbddp.notebook_launch][]'s, with the same meaning.
+
+        Returns:
+            Rank 0's value (every rank's with ``return_all``; a running [nbddp.Run][] with
+            ``block=False``).
+
+        Raises:
+            nbddp.WorkerError: A rank raised. When every rank came back to idle, the session
+                and its state survive; otherwise its ranks are restarted, and it says so.
+        """
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
         check_call(fn, args, kwargs)
         plan = self._options(timeout, display, output, return_all, block, stall_after)

@@ -62,10 +62,10 @@ def current_allocation() -> SlurmCluster:
 
 class SlurmCluster:
     """A Slurm allocation asked for from this kernel (a login node's), kept for later launches
-    and sessions, released by :meth:`close` or the kernel's exit. ``nodes``, ``gpus_per_node``,
+    and sessions, released by ``close()`` or the kernel's exit. ``nodes``, ``gpus_per_node``,
     ``partition``, ``time`` (Slurm's format: ``"1:00:00"``, or minutes) and ``account`` are
     sbatch's options of the same names; ``extra_args`` more of them (``["--qos=debug"]``).
-    The allocation is asked for at the first launch (or :meth:`allocate`)."""
+    The allocation is asked for at the first launch (or ``allocate()``)."""
 
     def __init__(
         self,
