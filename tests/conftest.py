@@ -16,6 +16,8 @@ import pytest
 TWO_CPU = {"num_workers": 2, "device": "cpu"}
 TWO_CPU_QUIET = {**TWO_CPU, "display": "none"}
 
+pytest_plugins = ["skips"]  # the skip summary, and CI's rule that only gpu tests may skip
+
 
 def is_warm_helper(proc: psutil.Process) -> bool:
     """nbddp's pre-warmed helper, or a child it forked ahead for the next launch: owned and
@@ -114,7 +116,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="needs CUDA; run on a GPU machine")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 

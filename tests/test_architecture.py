@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import nbddp
 
 PACKAGE = Path(nbddp.__file__).parent
@@ -246,6 +248,6 @@ def test_the_public_names_are_the_contracts():
 
 
 def test_the_repositorys_copy_of_the_contract_is_current():
-    if not SHARED_API_MD.exists():  # a clone without the project's shared folder beside it
-        return
+    if not SHARED_API_MD.exists():  # CI's clone has shared/ beside it: there this never skips
+        pytest.skip(f"no contract to compare with: {SHARED_API_MD} is not beside this clone")
     assert API_MD.read_text() == SHARED_API_MD.read_text(), "copy shared/API.md to docs/API.md"

@@ -2,8 +2,9 @@
 parameters on every rank, each rank half the batches, nbddp's process group and port, the log
 directory safe from a rank that empties it first (as Sapsan does), Catalyst's epoch metrics in
 run.history. Catalyst 22.4 is in the dev extra; the 21.x line (the one Sapsan pins, which
-cannot share an environment with 22.x) runs where it is installed instead, and
-``benchmarks/catalyst_sapsan.py`` runs it (and Sapsan's example) in a venv of its own."""
+cannot share an environment with 22.x) is CI's second run of this file, in a venv with
+catalyst 21.12 (``.ci/run``), where the test marked ``catalyst21`` runs too;
+``benchmarks/catalyst_sapsan.py`` runs Sapsan's example on it."""
 
 from __future__ import annotations
 
@@ -130,7 +131,10 @@ def test_catalyst_ddp_true_in_a_real_kernel(kernel, tmp_path):
     assert "True 4 None" in out, out
 
 
-@pytest.mark.skipif(not LEGACY, reason="Catalyst 21.x only (this environment has 22.x)")
+@pytest.mark.catalyst21
+@pytest.mark.skipif(
+    not LEGACY, reason="Catalyst 21.x only (this venv has 22.x; .ci/run runs it in one with 21.12)"
+)
 def test_a_ddp_engine_of_21_gets_no_second_init_process_group(tmp_path):
     ranks, _, _ = launch(True, str(tmp_path / "logs"))
     assert_one_ddp_job(ranks)
