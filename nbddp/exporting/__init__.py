@@ -215,17 +215,20 @@ def _write(
             batch, sbatch_text(script=script, layout=layout, origin=origin, job=job).encode()
         )
         written.append(batch)
-    _atomic_write(script, text.encode())
-    script.chmod(0o755)
+    _atomic_write(script, text.encode(), mode=0o700)  # runs as `python script.py` too
     command = f"torchrun --standalone --nproc-per-node {layout.per_node} {script.name}"
     if layout.nodes > 1:
         command = f"sbatch {batch.name}" if batch is not None else command + " (on every node)"
     return [str(script), *map(str, written)], command
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Owner-only, as a run's files are: the payload holds the notebook's data and code."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(data)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, mode)  # a partial left by a killed export may have other bits
+        f.write(data)
     os.replace(partial, path)
 
 

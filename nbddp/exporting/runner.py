@@ -254,7 +254,8 @@ class NbddpScript:
                     )
                     del value[name]
         partial = f"{self.result}.{os.getpid()}.partial"
-        with open(partial, "wb") as f:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner-only
+        with open(fd, "wb") as f:
             self._pickle(f, value)
         os.replace(partial, self.result)
         shown = reprlib.repr(value)

@@ -56,7 +56,9 @@ def install(directory: str, rank: int) -> None:
 
 def _register(path: str) -> None:
     with contextlib.suppress(OSError, ValueError, RuntimeError):
-        stream: TextIO = open(path, "a", buffering=1)  # noqa: SIM115 (kept for the process's life)
+        # Owner-only, as every file of the run's directory (it shows the user's code).
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        stream: TextIO = open(fd, "a", buffering=1)  # noqa: SIM115 (kept for the process's life)
         stream.write(f"{MAIN_MARK}0x{threading.main_thread().ident or 0:x}\n")
         old = _installed.get("stream")
         _installed["stream"] = stream
