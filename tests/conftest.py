@@ -3,11 +3,16 @@ real Jupyter kernel (jupyter_client) for tests that must run where users run."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
 
 import psutil
 import pytest
@@ -41,6 +46,17 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 30.0) -> bool:
+    """Whether ``condition()`` came true within ``timeout`` seconds: a wait on a state the
+    test can see (a file, a status, a process), never a fixed sleep standing in for one."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def blocks(*rows: tuple) -> list:
@@ -89,6 +105,48 @@ def _descendants() -> dict[int, psutil.Process]:
 
 def _our_dirs() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), f"nbddp-{os.getpid()}-*")))
+
+
+@contextmanager
+def starts_nothing() -> Iterator[None]:
+    """Fail if the block starts a process (a rank, the warm helper, anything: each
+    ``subprocess.Popen``, ``os.fork`` or ``os.posix_spawn`` is counted, short-lived ones too)
+    or makes a run directory (every launch, warm ones included, makes one before its ranks
+    start): what "refused before anything starts" promises."""
+    started: list[str] = []
+    popen_init, mkdtemp = subprocess.Popen.__init__, tempfile.mkdtemp
+
+    def counted_popen(self: subprocess.Popen, args: Any, *more: Any, **options: Any) -> None:
+        started.append(f"subprocess.Popen({args!r})")
+        popen_init(self, args, *more, **options)
+
+    def counted_fork(real: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    def counted_mkdtemp(*args: Any, **kwargs: Any) -> str:
+        path = mkdtemp(*args, **kwargs)
+        if "nbddp" in os.path.basename(path):
+            started.append(f"a run directory {path}")
+        return path
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with (
+        mock.patch.object(subprocess.Popen, "__init__", counted_popen),
+        mock.patch.object(os, "fork", counted_fork(os.fork, "os.fork()")),
+        mock.patch.object(os, "posix_spawn", counted_fork(os.posix_spawn, "os.posix_spawn()")),
+        mock.patch.object(tempfile, "mkdtemp", counted_mkdtemp),
+    ):
+        yield
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            # a child the warm helper, already up, forks ahead is its own doing
+            if proc.pid not in before and not (proc.ppid() in before and is_warm_helper(proc)):
+                started.append(" ".join(proc.cmdline()))
+    assert not started, f"started: {started}"
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from conftest import TWO_CPU
+from conftest import TWO_CPU, running
 
 import nbddp
 from nbddp import LaunchTimeout, RunStopped, SerializationError, WorkerError
@@ -107,9 +107,16 @@ def test_a_real_error_before_a_silent_death_stays_the_root_cause():
 
 
 def both_fail_rank_one_first() -> None:
+    """Rank 0 raises once rank 1 has ended: its failure reached the kernel first."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
     if nbddp.rank() == 1:
+        store.set("rank 1 pid", str(os.getpid()))
         raise KeyError("root cause")
-    time.sleep(1.0)
+    rank_1 = int(store.get("rank 1 pid"))
+    while running(rank_1):  # it sent its failure before it ended
+        time.sleep(0.01)
     raise RuntimeError("consequence")
 
 

@@ -1,6 +1,7 @@
 """Every bad argument is a ValueError raised before any process starts, saying what to do."""
 
 import pytest
+from conftest import starts_nothing
 
 import nbddp
 from nbddp.plan import make_plan
@@ -48,20 +49,21 @@ def test_bad_option_is_a_value_error_with_the_fix(options, fix):
 
 
 def test_notebook_launch_rejects_before_starting_anything():
-    with pytest.raises(ValueError, match="at least 1"):
-        nbddp.notebook_launch(_noop, num_workers=0)
-    with pytest.raises(ValueError, match="callable"):
-        nbddp.notebook_launch(42)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="tuple or list"):
-        nbddp.notebook_launch(_noop, args="abc")
-    with pytest.raises(ValueError, match="dict"):
-        nbddp.notebook_launch(_noop, kwargs=[1])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="key 1 is not a string"):
-        nbddp.notebook_launch(_noop, kwargs={1: "a"}, num_workers=2, device="cpu")
-    with pytest.raises(ValueError, match="generator function: calling it runs none"):
-        nbddp.notebook_launch(_generator, num_workers=2, device="cpu")
-    with pytest.raises(ValueError, match=r"async function.*asyncio\.run"):
-        nbddp.notebook_launch(_coroutine, num_workers=2, device="cpu")
+    with starts_nothing():
+        with pytest.raises(ValueError, match="at least 1"):
+            nbddp.notebook_launch(_noop, num_workers=0)
+        with pytest.raises(ValueError, match="callable"):
+            nbddp.notebook_launch(42)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="tuple or list"):
+            nbddp.notebook_launch(_noop, args="abc")
+        with pytest.raises(ValueError, match="dict"):
+            nbddp.notebook_launch(_noop, kwargs=[1])  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="key 1 is not a string"):
+            nbddp.notebook_launch(_noop, kwargs={1: "a"}, num_workers=2, device="cpu")
+        with pytest.raises(ValueError, match="generator function: calling it runs none"):
+            nbddp.notebook_launch(_generator, num_workers=2, device="cpu")
+        with pytest.raises(ValueError, match=r"async function.*asyncio\.run"):
+            nbddp.notebook_launch(_coroutine, num_workers=2, device="cpu")
 
 
 def _generator():

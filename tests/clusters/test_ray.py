@@ -9,10 +9,11 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
-from conftest import running
+from conftest import running, wait_until
 
 import nbddp
 from nbddp import LaunchTimeout, RunStopped, WorkerError
@@ -176,13 +177,20 @@ def test_a_killed_rank_is_named_with_its_signal(cluster):
     assert (info.value.rank, info.value.exitcode, info.value.node) == (1, -9, NODE_IP)
 
 
-def sleeps(seconds: float) -> None:
+def sleeps(seconds: float, folder: str | None = None) -> None:
+    """Sleep, once this rank said it runs (a file ``rank<n>`` in ``folder``)."""
+    if folder is not None:
+        open(os.path.join(folder, f"rank{nbddp.rank()}"), "w").close()
     time.sleep(seconds)
 
 
-def test_stop_and_timeout_end_every_rank(cluster):
-    run = nbddp.notebook_launch(sleeps, (60,), **RAY, block=False)
-    time.sleep(1.0)
+def every_rank_runs(folder: Path, ranks: int = 2) -> bool:
+    return wait_until(lambda: len(os.listdir(folder)) == ranks, 60)
+
+
+def test_stop_and_timeout_end_every_rank(cluster, tmp_path):
+    run = nbddp.notebook_launch(sleeps, (60, str(tmp_path)), **RAY, block=False)
+    assert every_rank_runs(tmp_path)
     started = time.monotonic()
     assert run.stop() and run.status == "stopped"
     assert time.monotonic() - started < 5
@@ -245,10 +253,10 @@ def test_the_default_cluster_is_used_by_later_launches(cluster):
     assert nbddp.notebook_launch(os.getpid, num_workers=1) == os.getpid()  # this machine again
 
 
-def test_a_lost_node_ends_the_run_and_is_named(cluster, helpers):
+def test_a_lost_node_ends_the_run_and_is_named(cluster, helpers, tmp_path):
     simulated, second = cluster
-    run = nbddp.notebook_launch(sleeps, (60,), **RAY, block=False)
-    time.sleep(2.0)
+    run = nbddp.notebook_launch(sleeps, (60, str(tmp_path)), **RAY, block=False)
+    assert every_rank_runs(tmp_path)
     simulated.remove_node(second)
     try:
         assert run.wait(timeout=60)
@@ -316,9 +324,12 @@ def rank_one_raises_while_rank_zero_waits():
     import torch
     import torch.distributed as dist
 
+    store = dist.distributed_c10d._get_default_store()
     if nbddp.rank() == 1:
-        time.sleep(1)  # rank 0 is in the collective by then
+        store.wait(["rank 0 at its all_reduce"])
+        store.delete_key("rank 0 at its all_reduce")
         raise ValueError("rank 1 fails first")
+    store.set("rank 0 at its all_reduce", "1")
     dist.all_reduce(torch.ones(1))
 
 
@@ -349,15 +360,15 @@ def test_a_stuck_session_on_the_cluster_restarts_with_fresh_ranks(cluster):
         assert session.run(count_on_rank, return_all=True, display="none") == [1, 1]
 
 
-def test_a_node_lost_during_a_session_task_is_named(cluster):
+def test_a_node_lost_during_a_session_task_is_named(cluster, tmp_path):
     """The session's judge hears a lost node as a launch's does (``NodeLost``), so the error
     names the node; before, a session said only that the rank died."""
     simulated, _ = cluster
     second = next(iter(simulated.worker_nodes))  # an earlier test may have replaced it
     session = nbddp.Session(cluster="ray", device="cpu")
     try:
-        run = session.run(sleeps, (60,), display="none", block=False)
-        time.sleep(2.0)
+        run = session.run(sleeps, (60, str(tmp_path)), display="none", block=False)
+        assert every_rank_runs(tmp_path)
         simulated.remove_node(second)
         assert run.wait(timeout=60)
         with pytest.raises(WorkerError) as info:

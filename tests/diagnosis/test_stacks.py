@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import starts_nothing, wait_until
 
 # Waits until the roll-call says all of ``until`` (the ranks reached their places), then prints it;
 # ``run`` is a running launch.
@@ -296,7 +297,7 @@ def test_the_panel_shows_the_banner_and_keeps_it_in_the_summary(kernel):
 def test_a_bad_stall_after_is_refused_before_anything_starts(bad):
     import nbddp
 
-    with pytest.raises(ValueError, match="stall_after="):
+    with starts_nothing(), pytest.raises(ValueError, match="stall_after="):
         nbddp.notebook_launch(print, num_workers=2, device="cpu", stall_after=bad)
 
 
@@ -373,8 +374,10 @@ def test_the_watch_waits_while_a_rank_burns_cpu_or_starts_and_shows_the_banner_w
     for case in ("busy", "starting", "stalled"):
         cpu = [0.0]
         shown = []
+        takes = [0]
 
-        def take(timeout, case=case, cpu=cpu):
+        def take(timeout, case=case, cpu=cpu, takes=takes):
+            takes[0] += 1
             cpu[0] += 10.0 if case == "busy" else 0.001
             answers = {0: _report(1, cpu=cpu[0]), 1: _report(2, cpu=cpu[0])}
             if case == "starting":
@@ -385,7 +388,9 @@ def test_the_watch_waits_while_a_rank_burns_cpu_or_starts_and_shows_the_banner_w
         watch = StallWatch(
             0.4, lambda start=start: start, take, lambda s, q, shown=shown: shown.append(s)
         )
-        time.sleep(1.5)
+        # two judgements made (the fifth roll-call begins after the second's verdict), or
+        # the banner shown, whichever first
+        assert wait_until(lambda shown=shown, takes=takes: shown or takes[0] >= 5, 30), case
         watch.cancel()
         assert bool(shown) is (case == "stalled"), case
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import running
+from conftest import running, wait_until
 
 import nbddp
 from nbddp.rules.task_referee import GRACE
@@ -66,9 +66,12 @@ NB = notebook(
         return "fine"
 
     def rank_one_fails_first():
+        store = dist.distributed_c10d._get_default_store()
         if nbddp.rank() == 1:
-            time.sleep(1)  # rank 0 is in the collective by then
+            store.wait(["rank 0 at its all_reduce"])
+            store.delete_key("rank 0 at its all_reduce")
             raise RuntimeError("rank 1 fails first")
+        store.set("rank 0 at its all_reduce", "1")
         dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, forever
 
     def rank_one_dies():
@@ -220,8 +223,7 @@ def test_status_shows_each_rank(session):
         assert row["alive"] and row["busy"] is False and row["device_memory"] is None
         assert row["memory"] > 50 * 2**20 and psutil.pid_exists(row["pid"])
     run = session.run(time.sleep, (30,), block=False, **OPTIONS)
-    time.sleep(0.3)
-    assert all(row["busy"] for row in session.status())
+    assert wait_until(lambda: all(row["busy"] for row in session.status()), 10)
     run.stop()
 
 
@@ -257,8 +259,7 @@ def test_garbage_sessions_end_their_ranks():
     import gc
 
     gc.collect()
-    time.sleep(0.5)
-    assert not any(running(p) for p in pids)
+    assert wait_until(lambda: not any(running(p) for p in pids), 10)
 
 
 @pytest.mark.parametrize(

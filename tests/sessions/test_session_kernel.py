@@ -116,10 +116,13 @@ def test_a_rank_stuck_in_all_reduce_after_a_peer_raised_restarts_the_session(ses
     out = cell(
         session_kernel,
         "%%ddp --session --display none\n"
-        "import time, torch.distributed as dist\n"
+        "import torch.distributed as dist\n"
+        "store = dist.distributed_c10d._get_default_store()\n"
         "if nbddp.rank() == 1:\n"
-        "    time.sleep(1)  # rank 0 is in the collective by then\n"
+        "    store.wait(['rank 0 at its all_reduce'])\n"
+        "    store.delete_key('rank 0 at its all_reduce')\n"
         "    raise ValueError('rank 1 fails first')\n"
+        "store.set('rank 0 at its all_reduce', '1')\n"
         "dist.all_reduce(torch.ones(1))\n",
         ok=False,
     )
@@ -136,19 +139,19 @@ def test_interrupting_a_training_cell(session_kernel):
 
     def interrupt_once_started(msg: dict) -> None:
         text = msg["content"].get("text", "") if msg["msg_type"] == "stream" else ""
-        if "training" in text and not interrupted:  # a few steps in, press the button
+        if "training" in text and not interrupted:  # steps were taken: press the button
             interrupted.append(True)
-            time.sleep(0.5)  # (here, not in a timer thread: jupyter_client leaks its loop)
             session_kernel.manager.interrupt_kernel()
 
     started = time.monotonic()
     reply = session_kernel.client.execute_interactive(
         "%%ddp --session --display text\n"
         "import time\n"
-        "print('training', flush=True)\n"
         "for step in range(3000):\n"
         "    time.sleep(0.01)\n"
-        "    steps_done += 1\n",
+        "    steps_done += 1\n"
+        "    if step == 4:\n"
+        "        print('training', flush=True)\n",
         timeout=60,
         output_hook=interrupt_once_started,
     )

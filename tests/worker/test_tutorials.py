@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TWO_CPU_QUIET
+from conftest import TWO_CPU_QUIET, starts_nothing
 
 import nbddp
 
@@ -444,7 +444,7 @@ def test_spawn_passes_the_local_rank_first_and_join_false_gives_the_run():
     ],
 )
 def test_spawn_refuses_bad_options_before_any_process_starts(options, says):
-    with pytest.raises(ValueError, match=re.escape(says)):
+    with starts_nothing(), pytest.raises(ValueError, match=re.escape(says)):
         nbddp.spawn(local_rank_and, **{"args": ("x",), "device": "cpu", **options})
 
 
