@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,14 @@ def test_quickstart_trains_and_reports():
     done = run_example("quickstart.py")
     assert done.returncode == 0, done.stderr
     assert "succeeded" in done.stdout
+    # rank 0's report of each epoch, and a model that learned y = sum(x) (whose variance is
+    # 10) back in this process
+    losses = [
+        float(x) for x in re.findall(r"epoch \d: loss ([\d.]+) \(2 ranks on cpu\)", done.stdout)
+    ]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2], done.stdout
+    mse = re.search(r"trained TinyNet back in the parent process: eval mse ([\d.]+)", done.stdout)
+    assert mse is not None and float(mse[1]) < 0.5, done.stdout
 
 
 def test_train_cnn_trains_two_ranks_and_rejects_bad_arguments():

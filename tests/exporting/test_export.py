@@ -288,7 +288,11 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, path, opti
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_batch_file_runs_torchrun_on_every_node_of_a_gpu_allocation(tmp_path):
+def test_the_batch_file_for_a_gpu_allocation_asks_for_its_gpus_and_nodes_and_is_valid_bash(
+    tmp_path,
+):
+    """Its text only: no GPU allocation here. The batch file running on two real Slurm
+    nodes (CPU) is ``tests/clusters/test_slurm.py``."""
     written = nbddp.export(adds, tmp_path / "big.py", (1.0,), num_workers=8, device="cuda", nodes=2)
     batch = Path(written[2])
     text = batch.read_text()

@@ -93,7 +93,7 @@ def test_the_first_failure_settles_for_SETTLE_seconds(then, after, decided):
     clock = Clock()
     judge = referee(clock)
     judge.event(failed(0))
-    assert judge.verdict() is None or then is not None
+    assert judge.verdict() is None  # rank 1 may still explain it
     assert judge.deadline() == pytest.approx(clock.now + SETTLE)
     judge.event(Ended(0, 1, ""))
     if then is not None:

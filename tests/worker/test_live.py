@@ -9,7 +9,7 @@ import time
 import nbformat
 import pytest
 import torch
-from conftest import TWO_CPU, blocks
+from conftest import TWO_CPU, TWO_CPU_QUIET, blocks
 from nbclient import NotebookClient
 
 import nbddp
@@ -145,10 +145,18 @@ def test_fallback_shows_the_same_history():
     assert [row["loss"] for row in nbddp.last_run().history] == [0.0] * 10
 
 
-def test_progress_is_a_pass_through_off_rank_zero_and_outside_a_launch():
+def progress_passes_through() -> bool:
     items = [1, 2, 3]
-    assert nbddp.progress(items) is items
+    shown = nbddp.progress(items)
+    return shown is items and list(shown) == items
+
+
+def test_progress_is_a_pass_through_off_rank_zero_and_outside_a_launch():
+    assert progress_passes_through()
     nbddp.log(loss=1.0)  # outside a launch: nothing to do, no error
+    # in a launch: rank 0's is the live bar, rank 1's the list itself
+    ranks = nbddp.notebook_launch(progress_passes_through, return_all=True, **TWO_CPU_QUIET)
+    assert ranks == [False, True]
 
 
 # -- in a real kernel ---------------------------------------------------------------------------
