@@ -104,11 +104,16 @@ def run(quick: bool = False) -> str:
         f'| nbddp `notebook_launch(..., cluster="ray")` | {first:.2f} | {ours_median:.3f} |',
     ]
     if theirs:
-        theirs_median = statistics.median(theirs)
+        theirs_median = statistics.median(theirs[1:] or theirs)
         rows.append(
-            f"| Ray Train `TorchTrainer.fit()` (fresh every time) | | {theirs_median:.2f} |"
+            f"| Ray Train `TorchTrainer.fit()` (new training workers every fit) | {theirs[0]:.2f} "
+            f"| {theirs_median:.2f} |"
         )
-        ratio = f"; nbddp is {theirs_median / ours_median:.0f}× faster (target ≥ 5×)"
+        ratio = (
+            f"; first against first nbddp is {theirs[0] / first:.1f}× faster, repeated against "
+            f"repeated {theirs_median / ours_median:.0f}× (target ≥ 5×): nbddp keeps each node's "
+            "helper warm between launches, Ray Train keeps nothing warm between fits"
+        )
     else:
         ratio = " (Ray Train not installed: pip install 'ray[train]')"
     rows += [

@@ -24,9 +24,12 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 
 
+FAILED: dict[str, int] = {}  # launcher -> runs that failed and were run again
+
+
 def _run(method: str, repeats: int, pause: float, tree: Path) -> list[float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    for _ in range(2):  # once more if it failed (a shared machine): say why
+    for _ in range(2):  # once more if it failed (a shared machine): counted in the table
         done = subprocess.run(
             [sys.executable, str(HERE / "launchers.py"), method, str(repeats), str(pause)],
             env=env,
@@ -36,6 +39,7 @@ def _run(method: str, repeats: int, pause: float, tree: Path) -> list[float]:
         )
         if done.returncode == 0:
             break
+        FAILED[method] = FAILED.get(method, 0) + 1
         print(f"{method} failed, once more:\n{done.stderr[-2000:]}", file=sys.stderr)
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     times: list[float] = json.loads(line[len("RESULT ") :])["repeated"]
@@ -76,6 +80,13 @@ def main() -> None:
     print("| launcher | launches | n | p50 ms | p90 ms | p99 ms | max ms | over 200 ms |")
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print()
+    failed = ", ".join(f"{method} {n}" for method, n in sorted(FAILED.items()))
+    print(
+        f"Runs that failed and were run again (their launches are not in the table): {failed}."
+        if failed
+        else "No run failed."
+    )
 
 
 if __name__ == "__main__":

@@ -233,6 +233,8 @@ def _cluster(cluster: Any, quick: bool) -> str:
 
 
 def machine() -> str:
+    """One line saying where and from what a section was measured: each section carries its
+    own (a run with ``--only`` keeps the other sections, measured elsewhere, with theirs)."""
     import torch
 
     import nbddp
@@ -251,11 +253,15 @@ def machine() -> str:
         acc = "not installed"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = f"GPU: {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
+    commit = subprocess.run(
+        ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    command = " ".join(["python", "benchmarks/run.py", *sys.argv[1:]])
     return (
-        f"- date: {datetime.date.today()}\n- machine: {cpu}, {os.cpu_count()} cores, "
-        f"{memory:.0f} GiB, {gpu}\n"
-        f"- Python {platform.python_version()}, torch {torch.__version__}, "
-        f"nbddp {nbddp.__version__}, accelerate {acc}"
+        f"_Measured {datetime.date.today()} on {cpu}, {os.cpu_count()} cores, "
+        f"{memory:.0f} GiB, {gpu}; Python {platform.python_version()}, torch "
+        f"{torch.__version__}, nbddp {nbddp.__version__}, accelerate {acc}; commit "
+        f"{commit or 'unknown'}; load {os.getloadavg()[0]:.1f} at the start; `{command}`._"
     )
 
 
@@ -267,7 +273,6 @@ def _sections(quick: bool) -> list[tuple[str, Callable[[], str]]]:
     import session
 
     return [
-        ("Machine", machine),
         (
             "1. Launch latency (trivial all_reduce, 2 CPU ranks)",
             lambda: launch_latency(processes=2 if quick else 5, repeats=2 if quick else 5),
@@ -302,19 +307,22 @@ def _written() -> dict[str, str]:
 
 
 def _measured(title: str, section: Callable[[], str]) -> str:
-    """One section's text; a section that fails says so and the others still run."""
+    """One section's text under the line naming its machine; a section that fails says so
+    and the others still run."""
+    stamp = machine()
     try:
-        return section()
+        return f"{stamp}\n\n{section()}"
     except Exception as exc:
         traceback.print_exc()
         last = (str(exc).strip().splitlines() or [""])[-1][:300]
-        return f"Failed: {type(exc).__name__}: {last} (traceback on the run's stderr)."
+        return f"{stamp}\n\nFailed: {type(exc).__name__}: {last} (traceback on the run's stderr)."
 
 
 def main() -> None:
-    """``--quick``: fewer repetitions. ``--only 5,7``: measure those sections (and the machine)
-    again, keep the others as RESULTS.md has them. RESULTS.md is rewritten after each section,
-    so an interrupted run keeps what it measured."""
+    """``--quick``: fewer repetitions. ``--only 5,7``: measure those sections again, keep the
+    others as RESULTS.md has them, each with the machine line of the run that made it.
+    RESULTS.md is rewritten after each section, so an interrupted run keeps what it
+    measured."""
     quick = "--quick" in sys.argv
     only = None
     if "--only" in sys.argv:
@@ -325,15 +333,18 @@ def main() -> None:
     sections = _sections(quick)
     titles = {title for title, _ in sections}
     # sections other scripts wrote (an issue's own benchmark): kept as they are, after ours
-    others = {title: body for title, body in written.items() if title not in titles}
+    others = {title: body for title, body in written.items() if title not in titles | {"Machine"}}
     for title, section in sections:
         number = title.split(".", 1)[0]
-        if only is None or number in only or title == "Machine" or title not in kept:
+        if only is None or number in only or title not in kept:
             done[title] = _measured(title, section)
         else:
             done[title] = kept[title]
         text = (
-            "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py`.\n\n"
+            "# nbddp benchmarks\n\nWritten by `python benchmarks/run.py` (sections 1-8) and by "
+            "each issue's own script (the sections after). Each section says the machine, "
+            "versions and commit it was measured on: compare numbers across sections only where "
+            "those match.\n\n"
             + "\n\n".join(f"## {t}\n\n{body}" for t, body in {**done, **others}.items())
             + "\n"
         )
