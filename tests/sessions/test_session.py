@@ -146,7 +146,7 @@ def test_a_rank_stuck_in_a_collective_after_a_peer_raised_is_restarted(session):
     started = time.monotonic()
     with pytest.raises(nbddp.WorkerError) as raised:
         session.run(NB["rank_one_fails_first"], **OPTIONS)
-    assert GRACE + 1 <= time.monotonic() - started < GRACE + 10
+    assert GRACE <= time.monotonic() - started < GRACE + 10  # the stuck rank had its grace
     message = str(raised.value)
     assert "rank 1 raised RuntimeError: rank 1 fails first" in message
     assert "The session was restarted" in message and "State on the ranks is lost" in message
