@@ -38,18 +38,20 @@ class NbddpError(Exception):
     """Base of every error nbddp raises on purpose."""
 
     _cause_in_message = False  # the message tells the cause's traceback: do not show it again
+    _local_frames = True  # False for a %%ddp cell's: its frame would echo the whole cell
 
     def _render_traceback_(self) -> list[str]:
         """How IPython shows this error: the notebook's own frames (nbddp's left out), then
         the message; a rank's traceback in it names notebook frames ``Cell In[n]``, as
         IPython does. A rank's exception (``__cause__``) is told in the message already,
-        so it is not shown a second time."""
+        so it is not shown a second time. A ``%%ddp`` cell's shows no local frame (as
+        ipyparallel's ``%%px``): the rank's traceback names the failing line."""
         shell = _ipython()
         cause = self.__cause__
         if cause is not None and (self._cause_in_message or cause.__traceback__ is None):
             self.__cause__ = None
         try:
-            tb = self.__traceback__
+            tb = self.__traceback__ if self._local_frames else None
             kept = []
             while tb is not None:
                 if not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
@@ -151,32 +153,26 @@ class WorkerError(NbddpError, RuntimeError):
         original: BaseException | None,
         remote_class: type | None = None,
         node: str | None = None,
+        hint: str = "",
     ) -> WorkerError:
         """The error for a rank that raised: also an instance of the remote exception's class
         when that class is an ``Exception`` the kernel has (so ``except ValueError:`` around a
         launch catches a rank's ValueError), a plain WorkerError otherwise."""
         remote_class = type(original) if original is not None else remote_class
         combined = _combined_class(remote_class) if remote_class is not None else None
+        fields: dict[str, Any] = {"exc_type": exc_type, "exc_message": message, "hint": hint}
+        fields.update(remote_traceback=traceback, node=node)
         error: WorkerError
         if combined is not None:
             try:
                 error = Exception.__new__(combined)
                 if original is not None:  # what the user's __init__ set, e.g. error.code
                     error.__dict__.update(getattr(original, "__dict__", {}))
-                WorkerError.__init__(
-                    error,
-                    rank,
-                    exc_type=exc_type,
-                    exc_message=message,
-                    remote_traceback=traceback,
-                    node=node,
-                )
+                WorkerError.__init__(error, rank, **fields)
             except Exception:  # a class whose instances cannot be made this way
                 combined = None
         if combined is None:
-            error = cls(
-                rank, exc_type=exc_type, exc_message=message, remote_traceback=traceback, node=node
-            )
+            error = cls(rank, **fields)
         if original is not None:
             error.__cause__ = original
         return error

@@ -41,7 +41,7 @@ from nbddp.wire import payload
 from nbddp.wire.stacks import AskStacks, StackReport
 from nbddp.worker import live, world
 from nbddp.worker.context import Context, installed
-from nbddp.worker.report import format_user_traceback, message_of
+from nbddp.worker.report import format_user_traceback, hint_for, message_of
 from nbddp.worker.stacks import current_threads, recent_collectives
 
 ABORT_GRACE = 0.5
@@ -270,7 +270,12 @@ class InKernel:
             raise
         except BaseException as exc:
             error = WorkerError.raised(
-                0, type(exc).__name__, message_of(exc), format_user_traceback(exc), exc
+                0,
+                type(exc).__name__,
+                message_of(exc),
+                format_user_traceback(exc),
+                exc,
+                hint=hint_for(exc),
             )
             outcome = Outcome("failed", error=error)
         finally:

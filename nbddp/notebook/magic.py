@@ -50,6 +50,45 @@ class _CellFailed(NbddpError):
         return []
 
 
+class _CellInterrupted(KeyboardInterrupt):
+    """A ``%%ddp`` cell's interrupt, shown without its frames: IPython's first one would echo
+    the whole cell, the others are nbddp's wait. Still a ``KeyboardInterrupt`` (so named)."""
+
+    def _render_traceback_(self) -> list[str]:
+        from IPython import get_ipython
+
+        lines: list[str] = get_ipython().InteractiveTB.structured_traceback(
+            KeyboardInterrupt, self, None
+        )
+        return lines
+
+
+_CellInterrupted.__name__ = _CellInterrupted.__qualname__ = "KeyboardInterrupt"
+
+
+def _interrupted(interrupt: KeyboardInterrupt) -> KeyboardInterrupt:
+    shown = _CellInterrupted(*interrupt.args)
+    shown.__dict__.update(vars(interrupt))  # e.g. the roll-call of a stalled run (stacks)
+    return shown
+
+
+class CellSyntaxError(NbddpError):
+    """The cell does not parse. Shown as IPython shows a cell's own syntax error (``Cell
+    In[n], line m``, the line and its caret), without IPython's and nbddp's frames, one of
+    which would echo the whole cell."""
+
+    def __init__(self, error: SyntaxError) -> None:
+        self.error = error
+        super().__init__(f"{type(error).__name__}: {error.msg} (line {error.lineno})")
+
+    def _render_traceback_(self) -> list[str]:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        lines: list[str] = shell.SyntaxTB.structured_traceback(type(self.error), self.error, [])
+        return lines
+
+
 @magics_class
 class DDPMagics(Magics):
     @magic_arguments()
@@ -115,6 +154,16 @@ class DDPMagics(Magics):
         as in notebook_launch. A failure on any rank ends every rank and raises here.
         """
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
+        try:
+            return self._ddp(line, cell)
+        except NbddpError as exc:  # the rank's traceback names the line; no echo of the cell
+            exc._local_frames = False
+            raise
+        except KeyboardInterrupt as interrupt:
+            raise _interrupted(interrupt) from None
+
+    def _ddp(self, line: str, cell: str) -> Any:
+        __tracebackhide__ = True
         args = parse_argstring(self.ddp, line)
         if args.out is not None and args.no_out:
             raise UsageError("%%ddp: use either --out NAME,NAME or --no-out, not both.")
@@ -272,7 +321,12 @@ class DDPMagics(Magics):
         number = _cell_number(self.shell)
         if number is not None:  # IPython then names its frames ``Cell In[n]``, as a cell's
             self.shell.compile._filename_map[filename] = number
-        return source, filename, cells.analyze(source)
+        try:
+            names = cells.analyze(source)
+        except SyntaxError as exc:
+            exc.filename = filename  # IPython names it Cell In[n], with the cell's own lines
+            raise CellSyntaxError(exc) from None
+        return source, filename, names
 
 
 def _cell_number(shell: Any) -> int | None:

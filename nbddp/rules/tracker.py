@@ -69,7 +69,14 @@ def raised(rank: int, report: ErrorReport, node: str | None = None) -> Failure:
         original = None
     remote_class = None if original is not None else import_class(report.mro[0])
     error = WorkerError.raised(
-        rank, report.exc_type, report.message, report.traceback, original, remote_class, node
+        rank,
+        report.exc_type,
+        report.message,
+        report.traceback,
+        original,
+        remote_class,
+        node,
+        report.hint,
     )
     return Failure(rank, report.time, error, "lost_peer" if lost_a_peer(report) else "raised")
 

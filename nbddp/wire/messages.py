@@ -103,6 +103,7 @@ class ErrorReport(NamedTuple):
     time: float  # time.time() when it was caught
     mro: tuple[str, ...]  # qualified names of the class and its bases, for type checks
     module: str  # the class's module, to rebuild the class in the kernel
+    hint: str = ""  # nbddp's word on what to change (a GPU-only line on a CPU rank)
 
 
 class Hello(NamedTuple):

@@ -8,8 +8,10 @@ raises still gets its type, its traceback and a placeholder message.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
+import types
 
 from nbddp.wire import payload
 from nbddp.wire.messages import Bars, BarSnapshot, Block, ErrorReport, MainRows, Rows
@@ -32,7 +34,48 @@ def error_report(exc: BaseException) -> ErrorReport:
         time=time.time(),
         mro=tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__),
         module=cls.__module__,
+        hint=hint_for(exc),
     )
+
+
+_NO_GPU_HERE = (
+    "This rank runs on the CPU (this launch's gloo ranks have no GPU), and this line asks for "
+    "a GPU: "
+)
+_OR_ON_GPUS = "; or launch with device='cuda' on a machine with GPUs."
+_CUDA_HINT = (
+    _NO_GPU_HERE + "leave torch.cuda.set_device(...) out and move models and tensors to "
+    "nbddp.device() instead of a GPU index (.to(rank), .cuda(), device=rank)" + _OR_ON_GPUS
+)
+_DEVICE_IDS_HINT = (
+    _NO_GPU_HERE + "DDP(..., device_ids=[...]) is for a model on a GPU. Wrap it as DDP(model), "
+    "without device_ids (or nbddp.prepare_model(model))" + _OR_ON_GPUS
+)
+
+
+def hint_for(exc: BaseException) -> str:
+    """nbddp's word on a failure it recognises by where it happened, never by its message:
+    a GPU-only line (``torch.cuda.set_device(rank)``, ``.to(rank)``, ``DDP(device_ids=...)``,
+    the PyTorch tutorial's) in a process that has no GPU."""
+    torch = sys.modules.get("torch")
+    try:
+        frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+        cuda_asked = any((_module(f) + ".").startswith("torch.cuda.") for f in frames)
+        device_ids = any(
+            _module(f) == "torch.nn.parallel.distributed"
+            and f.f_code.co_name == "__init__"
+            and f.f_locals.get("device_ids")
+            for f in frames
+        )
+        if not (cuda_asked or device_ids) or torch is None or torch.cuda.is_available():
+            return ""
+    except Exception:  # a hint must never hide the error itself
+        return ""
+    return _CUDA_HINT if cuda_asked else _DEVICE_IDS_HINT
+
+
+def _module(frame: types.FrameType) -> str:
+    return str(frame.f_globals.get("__name__", ""))
 
 
 def message_of(exc: BaseException) -> str:
@@ -44,14 +87,18 @@ def message_of(exc: BaseException) -> str:
 
 
 def format_user_traceback(exc: BaseException) -> str:
-    """The traceback from the user's own code down: nbddp's frames above it are noise."""
+    """The traceback from the user's own code down: nbddp's frames above it are noise, and so
+    is a frame that asks to be hidden (``__tracebackhide__``, as IPython reads it: nbddp's
+    answer to the user's ``init_process_group``, which raises at the user's call)."""
     try:
         te = traceback.TracebackException.from_exception(exc)
         frames = list(te.stack)
         first_user = next(
             (i for i, frame in enumerate(frames) if not frame.filename.startswith(_PACKAGE_DIR)), 0
         )
-        te.stack = traceback.StackSummary.from_list(frames[first_user:])
+        hidden = _hidden(exc, len(frames))
+        kept = [f for i, f in enumerate(frames) if i >= first_user and i not in hidden]
+        te.stack = traceback.StackSummary.from_list(kept)
         return "".join(te.format())
     except BaseException:  # a broken __str__ breaks the last line: format it by hand
         lines = traceback.format_tb(exc.__traceback__)
@@ -62,6 +109,14 @@ def format_user_traceback(exc: BaseException) -> str:
                 f"{type(exc).__name__}: {message_of(exc)}\n",
             ]
         )
+
+
+def _hidden(exc: BaseException, count: int) -> set[int]:
+    """Which of the traceback's ``count`` frames set ``__tracebackhide__``."""
+    entries = list(traceback.walk_tb(exc.__traceback__))
+    if len(entries) != count:  # not the frames TracebackException saw: hide nothing
+        return set()
+    return {i for i, (frame, _) in enumerate(entries) if frame.f_locals.get("__tracebackhide__")}
 
 
 class ChannelSink:

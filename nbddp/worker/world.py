@@ -167,6 +167,7 @@ def _wraps_torch(answer: Callable[..., None]) -> Callable[..., None]:
 
 def _answer_impl(*args: Any, **kwargs: Any) -> None:
     """``torch.distributed.init_process_group`` in a rank: see the module's docstring."""
+    __tracebackhide__ = True  # a rank's traceback ends at the user's call
     world = _world
     if world is None:  # nbddp's world has been left: torch's own
         return _torch_init()(*args, **kwargs)

@@ -72,9 +72,11 @@ def test_a_rank_traceback_names_notebook_cells_and_shows_no_nbddp_frame(kernel):
         assert reply["status"] == "error" and reply["ename"] == "WorkerError", out
         assert f"Cell In[{train['execution_count']}], line 3, in train" in out, out
         assert f"Cell In[{helper['execution_count']}], line 2, in helper" in out
-        assert f"Cell In[{reply['execution_count']}], line 1" in out  # the launching cell
         if launch.startswith("%%ddp"):  # the cell's own frame, by the cell's line number
             assert f"Cell In[{reply['execution_count']}], line 3, in <module>" in out
+            assert "run_cell_magic" not in out  # IPython's frame, echoing the whole cell
+        else:
+            assert f"Cell In[{reply['execution_count']}], line 1" in out  # the launching line
         assert "ipykernel_" not in out and "<%%ddp cell" not in out
         assert "/nbddp/" not in out and "with_traceback" not in out, out
         # the rank's exception is told once, in the message, not again as a frameless cause

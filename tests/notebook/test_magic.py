@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 TWO = "%%ddp -n 2 --device cpu --display none"
@@ -56,6 +58,67 @@ def test_errors_point_at_the_cell_line(magic_kernel):
     assert "line 4, in <module>" in out and "raise ValueError(f'bad {x + y}')" in out
     out, reply = magic_kernel.run(f"{TWO}\nvalue = never_defined + 1")
     assert "NameError" in out and "line 2" in out and "value = never_defined + 1" in out
+
+
+def _long_cell(failing: str) -> tuple[str, list[str]]:
+    """A 300-line %%ddp cell whose line 151 (the %%ddp line is line 1) is ``failing``."""
+    lines = [f"step_{i} = {i}" for i in range(2, 301)]
+    lines[149] = failing
+    return f"{TWO}\n" + "\n".join(lines), [line for line in lines if line != failing]
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)  # IPython's colours
+
+
+def test_a_failing_long_cell_shows_its_failing_line_and_no_other(magic_kernel):
+    """Not IPython's ``run_cell_magic('ddp', ..., '<the whole cell>')`` frame: the rank's
+    traceback, naming the cell's line as IPython names a cell's own."""
+    cell, others = _long_cell("raise ValueError(f'stopped at {step_149}')")
+    out, reply = magic_kernel.run(cell)
+    out = _plain(out)
+    assert reply["status"] == "error" and reply["ename"] == "WorkerError", out
+    assert f"Cell In[{reply['execution_count']}], line 151, in <module>" in out, out
+    assert "raise ValueError(f'stopped at {step_149}')" in out
+    assert "ValueError: stopped at 149" in out
+    assert not [line for line in others if line in out], out
+    assert "run_cell_magic" not in out and "/nbddp/" not in out
+    assert len(out) < 1000, out
+
+
+def test_a_long_cell_that_does_not_parse_shows_its_line_as_a_cell_would(magic_kernel):
+    cell, others = _long_cell("oops = (1,")
+    out, reply = magic_kernel.run(cell)
+    out = _plain(out)
+    assert reply["status"] == "error", out
+    assert f"Cell In[{reply['execution_count']}], line 151" in out, out
+    assert "oops = (1," in out and "SyntaxError: '(' was never closed" in out
+    assert not [line for line in others if line in out], out
+    assert "run_cell_magic" not in out and "/nbddp/" not in out and "Traceback" not in out
+
+
+def test_an_interrupted_cell_is_a_keyboard_interrupt_without_its_cell_echoed(magic_kernel):
+    chunks: list[str] = []
+
+    def interrupt_once_started(msg: dict) -> None:
+        content = msg["content"]
+        if msg["msg_type"] == "stream" and "started" in content["text"] and not chunks:
+            chunks.append(content["text"])
+            magic_kernel.manager.interrupt_kernel()
+        elif msg["msg_type"] == "error":
+            chunks.append(_plain("\n".join(content["traceback"])))
+
+    cell, others = _long_cell("print('started', flush=True); time.sleep(600)")
+    reply = magic_kernel.client.execute_interactive(
+        cell.replace("--display none", "--display text"),
+        timeout=60,
+        output_hook=interrupt_once_started,
+    )
+    shown = "".join(chunks[1:])
+    assert reply["content"]["ename"] == "KeyboardInterrupt", shown
+    assert "KeyboardInterrupt" in shown
+    assert not [line for line in others if line in shown], shown
+    assert "run_cell_magic" not in shown and "/nbddp/" not in shown
 
 
 def test_an_input_that_cannot_travel_is_named(magic_kernel):

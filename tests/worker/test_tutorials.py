@@ -260,6 +260,31 @@ def test_one_rank_in_the_kernel_answers_an_init_process_group_imported_by_name(t
     assert "after: True False False" in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU lines work on this machine")
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("torch.cuda.set_device(rank)", "leave torch.cuda.set_device(...) out"),
+        ("ToyModel().to(rank)", "move models and tensors to nbddp.device()"),
+        ("DDP(ToyModel(), device_ids=[rank])", "Wrap it as DDP(model), without device_ids"),
+    ],
+)
+@pytest.mark.parametrize("nprocs", [2, 1])
+def test_the_tutorials_gpu_lines_on_cpu_ranks_get_nbddps_hint(tutorial, line, says, nprocs):
+    """torch's own error ("Found no NVIDIA driver", DDP's device_ids ValueError) stays, and
+    nbddp says what to change, in a rank and in the kernel's one-rank world alike."""
+    out, reply = tutorial.run(
+        "def gpu_line(rank, world_size):\n"
+        "    setup(rank, world_size)\n"
+        f"    {line}\n"
+        f"nbddp.spawn(gpu_line, args=({nprocs},), nprocs={nprocs}, device='cpu', display='none')"
+    )
+    assert reply["status"] == "error" and reply["ename"] == "WorkerError", out
+    assert "This rank runs on the CPU (this launch's gloo ranks have no GPU)" in out, out
+    assert says in out and "launch with device='cuda' on a machine with GPUs" in out
+    assert out.count("This rank runs on the CPU") == 1
+
+
 def test_a_ddp_cell_calling_init_process_group_itself(tutorial):
     out, reply = tutorial.run(
         "%%ddp -n 2 --device cpu --display none\n"
@@ -295,6 +320,8 @@ def test_a_ddp_cell_asking_for_another_world_is_told_how_to_ask(tutorial):
     )
     assert reply["status"] == "error"
     assert "asks for a world of 4 ranks" in out and "%%ddp -n 4" in out
+    # the rank's traceback ends at the user's call: nbddp's answer to it is not shown
+    assert "_answer_impl" not in out and "/nbddp/" not in out, out
 
 
 # -- in this process: what a rank's own init_process_group may ask for ------------------------
