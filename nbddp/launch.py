@@ -82,7 +82,7 @@ def notebook_launch(
 
     Returns:
         Rank 0's return value, with tensors on the CPU and DDP wrappers unwrapped (a list of
-        every rank's with ``return_all=True``; the [nbddp.Run][] with ``block=False``).
+            every rank's with ``return_all=True``; the [nbddp.Run][] with ``block=False``).
 
     Raises:
         ValueError: An argument is invalid (before any process starts).

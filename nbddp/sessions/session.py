@@ -146,7 +146,7 @@ class Session:
 
         Returns:
             Rank 0's value (every rank's with ``return_all``; a running [nbddp.Run][] with
-            ``block=False``).
+                ``block=False``).
 
         Raises:
             nbddp.WorkerError: A rank raised. When every rank came back to idle, the session

@@ -139,7 +139,8 @@ def test_the_reference_of_notebook_launch_in_a_browser(page: Any, served: str) -
     for option in ("num_workers", "device", "block", "cluster", "stall_after"):
         assert option in signature, f"{option} is not in the signature"
     assert "on every rank of a DDP job started from the notebook" in body  # its docstring
-    assert "Rank 0's return value" in body  # its Returns section
+    assert "Rank 0's return value" in body  # its Returns section, one entry:
+    assert "(a list of every rank's with return_all=True" in " ".join(body.split())
     parameters = page.locator("table").first.inner_text()
     for option in ("num_workers", "return_all", "timeout"):
         assert option in parameters, f"{option} has no row in the parameters table"
