@@ -46,9 +46,30 @@ def export(
     written: the script, its payload beside it, and with ``sbatch`` a Slurm batch file
     (``PATH`` with the suffix ``.sbatch``).
 
-    ``num_workers`` is the whole world, ``nodes`` x ranks per node; "auto": one rank per GPU
-    of this machine on cuda, one per node on cpu. ``device="cuda"`` may be asked for where
-    no GPU is visible (a login node) when ``num_workers`` says how many ranks.
+    ``torchrun --standalone --nproc-per-node N PATH`` runs it; rank 0's value is saved
+    beside the script (``PATH`` with the suffix ``.result.pkl``). Everything is checked
+    before any file is written.
+
+    Args:
+        fn: The function, as for [nbddp.notebook_launch][]: what it captures from the
+            notebook is saved with it, by value.
+        path: The script to write (``train.py``); its payload goes beside it.
+        args: Positional arguments for ``fn``.
+        kwargs: Keyword arguments for ``fn``.
+        num_workers: The whole world, ``nodes`` x ranks per node; "auto": one rank per GPU
+            of this machine on cuda, one per node on cpu.
+        device: "auto", "cuda" or "cpu". ``device="cuda"`` may be asked for where no GPU is
+            visible (a login node) when ``num_workers`` says how many ranks.
+        nodes: How many nodes the Slurm batch file asks for.
+        sbatch: Also write the Slurm batch file (``srun torchrun``, one per node).
+
+    Returns:
+        The paths written, script first.
+
+    Raises:
+        ValueError: An option is invalid.
+        nbddp.SerializationError: Something ``fn`` needs cannot be pickled (the path to it
+            is named).
     """
     if not callable(fn):
         raise ValueError(f"export: fn={fn!r} is not callable; pass the function to run.")

@@ -284,7 +284,11 @@ def log(metrics: Mapping[str, Any] | None = None, /, **named: Any) -> None:
 
     Values are averaged across ranks: the k-th call on every rank forms row k of
     ``run.history`` (with its ``step`` and, where known, ``epoch``), shown live. The call never
-    waits for the GPU or the network.
+    waits for the GPU or the network. Outside a launch it does nothing.
+
+    Args:
+        metrics: A dict of name to value, e.g. ``nbddp.log({"val/loss": loss})``.
+        **named: Values by name, e.g. ``nbddp.log(loss=loss, acc=acc)``.
     """
     if _buffer is None:
         return
@@ -299,8 +303,12 @@ def progress(
 ) -> Iterable[T]:
     """Iterate ``iterable``, showing rank 0's progress live (count, rate, ETA); nests.
 
-    ``total`` defaults to ``len(iterable)`` when it has one. On other ranks (and outside a
-    launch) the iterable itself is returned, at no cost.
+    On other ranks (and outside a launch) the iterable itself is returned, at no cost.
+
+    Args:
+        iterable: What to iterate.
+        desc: The bar's label ("epoch", "batch").
+        total: How many items; defaults to ``len(iterable)`` when it has one.
     """
     if _buffer is None or not is_main():
         return iterable

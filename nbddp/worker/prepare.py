@@ -66,7 +66,25 @@ def unwrap(model: Any) -> Any:
 
 
 def prepare_loader(loader: DataLoader[Any], move_to_device: bool = True) -> DataLoader[Any]:
-    """Shard ``loader`` across the ranks and deliver its batches on this rank's device."""
+    """Shard ``loader`` across the ranks and deliver its batches on this rank's device.
+
+    With more than one rank the loader gets a ``DistributedSampler`` (shuffling when the
+    loader shuffled), keeping its other settings (``batch_size``, ``drop_last``,
+    ``collate_fn``, ``num_workers``, ...), and reshuffles at each new pass by itself: no
+    ``set_epoch`` call is needed. A loader that already has a ``DistributedSampler`` keeps it.
+    With one rank, and on the CPU, the loader comes back as it is.
+
+    Args:
+        loader: A ``DataLoader`` over a map-style dataset. One over an ``IterableDataset``
+            is not sharded (a warning says so: shard inside the dataset with
+            [nbddp.rank][] and [nbddp.world_size][]).
+        move_to_device: Deliver each batch (tensors, and tensors in tuples, lists and dicts)
+            on [nbddp.device][].
+
+    Raises:
+        ValueError: The loader has a custom sampler or ``batch_sampler``, which cannot be
+            sharded for you.
+    """
     if not isinstance(loader, DataLoader):
         raise TypeError(f"prepare_loader expects a DataLoader, got {type(loader).__name__}.")
     if isinstance(loader, _PreparedLoader):
