@@ -6,6 +6,7 @@ returns redrawing a line (:class:`LineWindow`), and a cell's stream written from
 from __future__ import annotations
 
 import collections
+import contextvars
 from typing import Any
 
 from nbddp.backend import Writable
@@ -78,7 +79,11 @@ class LineWindow:
 class CellStream:
     """The calling cell's stream, written from another thread. ipykernel files a thread's
     writes under the cell that started the thread; a session's loop thread outlives that
-    cell, so each write names the cell this stream was taken in."""
+    cell, so each write names the cell this stream was taken in: through
+    ``set_thread_parent`` (ipykernel >= 7.1), or the writing thread's own value of the
+    stream's parent context variable, which is what ipykernel 6.29 to 7.0 read at each write
+    (without it a session's output went to the cell that started the session). Older kernels
+    file every write under the cell that runs now."""
 
     def __init__(self, stream: Writable) -> None:
         self._stream = stream
@@ -86,13 +91,22 @@ class CellStream:
 
     def write(self, text: str, /) -> int:
         stream: Any = self._stream
-        if self._header is None or not hasattr(stream, "set_thread_parent"):
+        if self._header is None:
             return stream.write(text)  # type: ignore[no-any-return]
-        token = stream.set_thread_parent(self._header)
-        try:
-            return stream.write(text)  # type: ignore[no-any-return]
-        finally:
-            stream.reset_thread_parent(token)
+        if hasattr(stream, "set_thread_parent"):
+            token = stream.set_thread_parent(self._header)
+            try:
+                return stream.write(text)  # type: ignore[no-any-return]
+            finally:
+                stream.reset_thread_parent(token)
+        parent = getattr(stream, "_parent_header", None)
+        if isinstance(parent, contextvars.ContextVar):  # this thread's context only
+            context_token = parent.set(self._header)
+            try:
+                return stream.write(text)  # type: ignore[no-any-return]
+            finally:
+                parent.reset(context_token)
+        return stream.write(text)  # type: ignore[no-any-return]
 
     def flush(self) -> None:
         self._stream.flush()
