@@ -16,6 +16,7 @@ def magic_kernel(kernel):
     return kernel
 
 
+@pytest.mark.smoke
 def test_names_go_in_and_come_back(magic_kernel):
     k = magic_kernel
     k.run(

@@ -26,6 +26,7 @@ def cell(kernel, source: str, ok: bool = True) -> str:
     return out
 
 
+@pytest.mark.smoke
 def test_a_counter_keeps_counting_across_cells(session_kernel):
     counting = (
         "%%ddp --session --display text\n"

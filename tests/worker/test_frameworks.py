@@ -128,6 +128,7 @@ def hf_trainer(output_dir: str) -> int:
     return trainer.state.global_step
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_an_hf_trainer_fills_history_and_shows_its_bar_in_the_panel():
     with tempfile.TemporaryDirectory() as output_dir:
@@ -172,6 +173,7 @@ def lightning_trainer(root: str, logger: bool = True) -> list[str]:
     return [type(each).__name__ for each in trainer.loggers]
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_a_lightning_trainer_fills_history_averaged_across_ranks():
     with tempfile.TemporaryDirectory() as root:

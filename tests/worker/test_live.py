@@ -213,6 +213,7 @@ def test_widget_shows_bars_reaching_total_and_averaged_metrics(kernel):
     assert "application/vnd.jupyter.widget-view+json" not in final["data"]
 
 
+@pytest.mark.smoke
 def test_saved_notebook_keeps_a_static_summary(tmp_path):
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [
