@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""The smoke subset (tests marked ``smoke``) against the newest or the oldest releases nbddp
+declares, so that an upstream release that breaks us is seen the day it ships, not when a user
+finds it (cloudpickle 3.1.3 renamed every shipped code object's file while CI stayed green).
+
+    .ci/smoke.py newest    a fresh venv with the newest release of every dependency (the
+                        machine's pip caps lifted)
+    .ci/smoke.py oldest    a fresh venv with the oldest release pyproject.toml declares for each
+                        package nbddp and the smoke tests use
+
+It prints the versions it tested beside the locked set's (.ci/constraints.txt), and when the
+subset fails it names the package that broke it: each package that differs from the locked set
+is put back to its locked version in turn, and the failed tests are run again; the first whose
+return makes them pass is named. Exit status: 0 when the subset passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCK = ROOT / ".ci" / "constraints.txt"
+# What a user's notebook meets first; the order is the order of the search for a culprit
+# (torch last: the heaviest to reinstall).
+WATCHED = [
+    "cloudpickle",
+    "ipython",
+    "ipykernel",
+    "jupyter_client",
+    "nbclient",
+    "nbformat",
+    "ipywidgets",
+    "transformers",
+    "accelerate",
+    "lightning",
+    "numpy",
+    "torch",
+]
+# Our test harness, not something a user's notebook runs: the locked version in both sets.
+HARNESS = {"pytest", "pytest_timeout", "psutil"}
+CULPRIT_BUDGET = 20 * 60  # seconds the search for a culprit may take
+
+
+def main() -> int:
+    which = sys.argv[1] if len(sys.argv) == 2 else ""
+    if which not in ("newest", "oldest"):
+        print(__doc__)
+        return 2
+    started = time.monotonic()
+    venv = ROOT / ".ci" / "venvs" / which
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    env = _pip_env(which)
+    if which == "newest":
+        _pip(python, env, "install", "-U", "pip")
+        _pip(python, env, "install", "-e", ".[smoke]")
+    else:
+        constraints = venv / "oldest.txt"
+        constraints.write_text("\n".join(oldest_pins()) + "\n")
+        _pip(python, env, "install", "-e", ".[smoke]", "-c", str(constraints))
+    installed = _versions(python)
+    locked = _locked()
+    print(f"\n== smoke on the {which} releases (installed in {time.monotonic() - started:.0f} s)")
+    print(f"{'package':<16} {'locked':<14} {which}")
+    for name in WATCHED:
+        mark = "" if installed.get(name) == locked.get(name) else "  *"
+        print(f"{name:<16} {locked.get(name, '-'):<14} {installed.get(name, '-')}{mark}")
+    failed = _run_smoke(python, venv / "smoke.xml")
+    took = time.monotonic() - started
+    if failed is None:
+        print(f"== smoke on the {which} releases passed ({took:.0f} s in all)")
+        return 0
+    print(f"== smoke on the {which} releases FAILED: {len(failed)} test(s)")
+    for test in failed:
+        print(f"   {test}")
+    _name_the_culprit(python, env, failed, installed, locked, venv)
+    return 1
+
+
+def oldest_pins() -> list[str]:
+    """``name==floor`` for every package nbddp and its smoke extra declare (``>=floor``), the
+    test harness at its locked version, and what an old torch needs to import at all."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + project["optional-dependencies"]["smoke"]
+    locked = _locked()
+    pins = []
+    for requirement in declared:
+        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?\s*>=\s*([^,;\s]+)", requirement)
+        if match is None:
+            raise SystemExit(f"pyproject.toml: {requirement!r} has no '>=' floor to test")
+        name, floor = match.groups()
+        version = locked[_key(name)] if _key(name) in HARNESS else floor
+        pins.append(f"{name}=={version}")
+    torch_floor = next(p.split("==")[1] for p in pins if p.startswith("torch=="))
+    if tuple(int(x) for x in torch_floor.split(".")[:2]) < (2, 3):
+        pins.append("numpy<2  # torch < 2.3 was built against numpy 1.x")
+    return pins
+
+
+def _run_smoke(python: str, report: Path, tests: list[str] | None = None) -> list[str] | None:
+    """The failed tests' ids, or None when every selected test passed."""
+    selection = tests if tests else ["-m", "smoke"]
+    # CI's rule that only GPU tests skip is the main run's: here the packages of other tests'
+    # modules (Ray, Catalyst, the browser's) are not installed, so those modules skip.
+    env = {k: v for k, v in os.environ.items() if k not in ("NBDDP_CI", "NBDDP_SKIP_SUMMARY")}
+    done = subprocess.run(
+        [python, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}", *selection],
+        cwd=ROOT,
+        env=env,
+    )
+    if done.returncode == 0:
+        return None
+    failed = []
+    if report.exists():
+        for case in ET.parse(report).iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                module = case.get("classname", "").replace(".", "/")
+                failed.append(f"{module}.py::{case.get('name')}")
+    return failed or ["(the run failed before any test: see above)"]
+
+
+def _name_the_culprit(
+    python: str,
+    env: dict[str, str],
+    failed: list[str],
+    installed: dict[str, str],
+    locked: dict[str, str],
+    venv: Path,
+) -> None:
+    """Put the watched packages back to their locked versions one at a time, cumulatively, and
+    run what still fails after each: a test that passes from then on is blamed on the package
+    just put back. Bounded by ``CULPRIT_BUDGET`` seconds."""
+    tests = [t for t in failed if "::" in t]
+    moved = [n for n in WATCHED if installed.get(n) and locked.get(n) and installed[n] != locked[n]]
+    if not tests or not moved:
+        print("   no package to blame: nothing watched differs from the locked set")
+        return
+    deadline = time.monotonic() + CULPRIT_BUDGET
+    for name in moved:
+        if not tests or time.monotonic() > deadline:
+            break
+        print(f"-- {name} {installed[name]} -> {locked[name]} (the locked one), then {len(tests)}")
+        _pip(python, env, "install", f"{name}=={locked[name]}")
+        still = _run_smoke(python, venv / "culprit.xml", tests) or []
+        if still and not any("::" in t for t in still):
+            still = tests  # the run itself broke: nothing is learnt from it
+        for test in tests:
+            if test not in still:
+                print(f"== BROKEN BY {name} {installed[name]} (passes with {locked[name]}): {test}")
+        tests = [t for t in tests if t in still]
+    for test in tests:
+        print(f"== no culprit found among {', '.join(moved)}: {test}")
+
+
+def _pip_env(which: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if which == "newest":
+        env["PIP_CONSTRAINT"] = os.devnull  # a machine's cap (/etc/xdg/pip) is not "newest"
+    return env
+
+
+def _pip(python: str, env: dict[str, str], *args: str) -> None:
+    subprocess.run([python, "-m", "pip", "-q", *args], cwd=ROOT, env=env, check=True)
+
+
+def _versions(python: str) -> dict[str, str]:
+    out = subprocess.run(
+        [python, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
+    ).stdout
+    return {_key(n): v for n, _, v in (line.partition("==") for line in out.split()) if v}
+
+
+def _locked() -> dict[str, str]:
+    pins = (line.partition("==") for line in LOCK.read_text().splitlines() if "==" in line)
+    return {_key(name): version.strip() for name, _, version in pins}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
