@@ -4,10 +4,11 @@ magics page every option the magics accept."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 from pages import DOCS
-from test_architecture import EXTRA, PENDING, contract_names
+from test_architecture import API_MD, EXTRA, PENDING, contract_names
 
 import nbddp
 
@@ -54,3 +55,27 @@ def test_the_magics_page_names_every_option() -> None:
     assert not missing, f"docs/reference/magics.md does not say what {missing} do"
     for command in ("start", "stop", "restart", "status", "pull"):
         assert f"`{command}" in page, f"%ddp_session {command} is not on the magics page"
+
+
+MEMBERS = re.compile(
+    r"^::: nbddp\.(\w+)\n    options:\n      members:\n((?:        - \w+\n)+)", re.M
+)
+
+
+def _listed_members() -> dict[str, set[str]]:
+    pages = "".join(page.read_text() for page in sorted(REFERENCE.glob("*.md")))
+    return {name: set(re.findall(r"- (\w+)", block)) for name, block in MEMBERS.findall(pages)}
+
+
+def test_the_reference_shows_every_member_the_contract_names() -> None:
+    """``run.X`` and ``session.X`` in the contract: each built one is in the reference's
+    member list of ``Run`` / ``Session`` (a member list leaves out the others)."""
+    contract = API_MD.read_text()
+    listed = _listed_members()
+    for variable, cls in (("run", "Run"), ("session", "Session")):
+        named = set(re.findall(rf"\b{variable}\.([a-z_]\w*)", contract))
+        source = inspect.getsource(getattr(nbddp, cls))  # instance attributes too
+        built = {m for m in named if hasattr(getattr(nbddp, cls), m) or f"self.{m} =" in source}
+        assert {"status", "close"} & named, "the reading works"
+        missing = sorted(built - listed[cls])
+        assert not missing, f"add {missing} to the members of nbddp.{cls} in docs/reference/"
