@@ -210,6 +210,8 @@ def worker_env(
         env.setdefault("PLOTLY_RENDERER", _plotly_renderer())
     if device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(physical_gpus(gpus))
+    else:  # Accelerator() sees CPU ranks as one job only when told (accelerate launch --cpu)
+        env["ACCELERATE_USE_CPU"] = "true"
     if interface is not None:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             env.setdefault(name, interface)

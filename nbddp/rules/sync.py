@@ -30,12 +30,19 @@ def judge(world_size: int, checks: Mapping[int, SyncCheck]) -> str | None:
     if world_size < 2 or len(checks) < world_size:
         return None  # a single rank, or a rank that could not report: nothing to compare
     reports = [checks[rank] for rank in range(world_size)]
+    library = next(
+        (_LIBRARIES[r.alone].format(n=world_size) for r in reports if r.alone in _LIBRARIES), None
+    )
     diverged = _diverged_model(reports)
     if diverged is not None:
         return (
             f"ranks trained independently: the parameters of {diverged} differ across ranks "
-            "at the end of the run. Was the model wrapped in DDP (nbddp.prepare_model) and "
-            "trained through the wrapper, not its .module?"
+            "at the end of the run. "
+            + (
+                library
+                or "Was the model wrapped in DDP (nbddp.prepare_model) and trained through the "
+                "wrapper, not its .module?"
+            )
         )
     built_ddp = any(r.models for r in reports)
     communicated = any(r.collectives > 0 for r in reports)
@@ -44,9 +51,26 @@ def judge(world_size: int, checks: Mapping[int, SyncCheck]) -> str | None:
         return (
             f"ranks trained independently: the {world_size} ranks never communicated (no DDP "
             "model, no collective), so each trained its own model and only rank 0's came "
-            "back. Was the model wrapped in DDP (nbddp.prepare_model)?"
+            "back. " + (library or "Was the model wrapped in DDP (nbddp.prepare_model)?")
         )
     return None
+
+
+# What a rank's library said when it ran the rank as a job of its own (SyncCheck.alone).
+_LIBRARIES = {
+    "accelerate": (
+        "Accelerate ran each rank as a process of its own (its state: 1 process, "
+        "DistributedType.NO), so accelerator.prepare() wrapped nothing in DDP. On CPU ranks it "
+        "joins the job with ACCELERATE_USE_CPU=true, which nbddp sets unless env= changes it, "
+        "or with Accelerator(cpu=True) (PartialState(cpu=True) when made directly)."
+    ),
+    "lightning": (
+        "Lightning's Trainer ran each rank as a job of one device (on CPU, devices='auto' "
+        "is 1), so it wrapped nothing in DDP. Give it the launch's ranks: "
+        "Trainer(accelerator='cpu', devices={n}, strategy='ddp') (devices: the ranks per node "
+        "on a cluster)."
+    ),
+}
 
 
 def _diverged_model(reports: list[SyncCheck]) -> str | None:

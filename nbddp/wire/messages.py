@@ -147,6 +147,7 @@ class SyncCheck(NamedTuple):
     models: tuple[ModelPrint, ...]  # every DDP model it built, in order
     collectives: int  # how many collectives its process groups ran
     stepped: bool  # an optimizer stepped
+    alone: str = ""  # a library that ran this rank as a job of its own (Accelerate's state)
 
 
 class Trained(NamedTuple):

@@ -23,6 +23,7 @@ next is built and, if the user still holds it at the end, again then.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import Any
 
@@ -36,11 +37,12 @@ _stepped = False
 _destroyed_collectives = 0  # collectives run by groups the user destroyed
 _baseline = 0  # collectives run before fn (none, today: joining the group runs none)
 _step_hook: Any = None
+_alone = ""  # a library that said it runs this rank as a job of one (note_alone)
 
 
 def install() -> None:
     """Start remembering, for the run that is about to call ``fn`` (idempotent hooks)."""
-    global _installed, _stepped, _destroyed_collectives, _newest, _step_hook, _baseline
+    global _installed, _stepped, _destroyed_collectives, _newest, _step_hook, _baseline, _alone
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -48,6 +50,7 @@ def install() -> None:
     _models.clear()
     _newest = None
     _stepped = False
+    _alone = ""
     _destroyed_collectives = 0
     _baseline = _collectives()
     _step_hook = register_optimizer_step_pre_hook(_first_step)
@@ -141,6 +144,27 @@ def fingerprint(model: Any) -> ModelPrint:
     )
 
 
+def note_alone(library: str) -> None:
+    """``library`` runs this rank of a multi-rank launch as a job of one (a Lightning
+    trainer of one device): the verdict names it if the ranks then trained apart."""
+    global _alone
+    _alone = library
+
+
+def _library_alone() -> str:
+    """A library that ran this rank of a multi-rank launch as a job of one: one that said so
+    (:func:`note_alone`), or Accelerate's state (``Accelerator()``, the HF Trainer's
+    ``PartialState``) with one process (CPU ranks join only with ``cpu=True`` or
+    ``ACCELERATE_USE_CPU``)."""
+    if _alone:
+        return _alone
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None)
+    if isinstance(shared, dict) and shared.get("num_processes") == 1:
+        return "accelerate"
+    return ""
+
+
 def report() -> SyncCheck | None:
     """This rank's fingerprints and counts, after ``fn`` returned; the models are let go."""
     global _newest, _step_hook
@@ -156,7 +180,7 @@ def report() -> SyncCheck | None:
             elif earlier is not None:
                 prints.append(earlier)
         ran = _collectives() + _destroyed_collectives - _baseline
-        return SyncCheck(tuple(prints), ran, _stepped)
+        return SyncCheck(tuple(prints), ran, _stepped, _library_alone())
     except Exception:  # the check must never fail the run: the kernel then judges nothing
         return None
     finally:

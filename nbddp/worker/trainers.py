@@ -4,9 +4,11 @@
 * **Hugging Face** ``Trainer``: a ``TrainerCallback`` whose ``on_log`` logs what the Trainer
   logs (``loss``, ``learning_rate``, ``grad_norm``, ``epoch``, eval metrics).
 * **Lightning** ``Trainer``: a ``Logger`` added to the trainer's loggers, given what
-  ``self.log(...)`` logged; with ``logger=False``, a ``Callback`` giving what Lightning's own
-  progress bar shows (``trainer.progress_bar_metrics``), since adding a logger would move the
-  trainer's checkpoint directory.
+  ``self.log(...)`` logged; with ``logger=False``, the same values at the same steps, taken
+  where Lightning hands them to its loggers (adding a logger would move the trainer's
+  checkpoint directory and make ``trainer.logger`` exist). A trainer that runs a rank of a
+  multi-rank launch as a job of one (``Trainer()`` on CPU: one device) is told to the
+  "did DDP happen?" check.
   Lightning's default progress bar becomes its tqdm one (rich's, its default when rich is
   importable, draws only a last frame where output is no terminal).
 * **Accelerate**: a tracker, given what ``accelerator.log(...)`` logs.
@@ -30,7 +32,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from nbddp.worker import live
+from nbddp.worker import context, live, sync_check
 
 
 def numbers_in(values: Mapping[str, Any]) -> dict[str, float]:
@@ -114,30 +116,13 @@ def patch_lightning(module: ModuleType) -> None:
 
     callbacks = __import__(f"{package}.callbacks", fromlist=["TQDMProgressBar"])
 
-    class NbddpBarMetrics(callbacks.Callback):  # type: ignore[misc, name-defined]
-        """With ``logger=False``: what Lightning's own progress bar shows
-        (``trainer.progress_bar_metrics``, the ``prog_bar=True`` values), after every
-        training batch and validation, on every rank (the same number of rows on each)."""
-
-        def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
-            self._log(trainer)
-
-        def on_validation_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
-            if not trainer.sanity_checking:
-                self._log(trainer)
-
-        @staticmethod
-        def _log(trainer: Any) -> None:
-            values = numbers_in(trainer.progress_bar_metrics)
-            values.pop("v_num", None)  # the logger's version, not a metric
-            if values:
-                live.log(values)
-
     def install(self: Any, kwargs: dict[str, Any]) -> None:
         if self.loggers:  # appended: loggers[0] keeps its role (log_dir, v_num, checkpoints)
             self.loggers = [*self.loggers, NbddpLogger()]
-        else:  # logger=False: no logger is added (it would move the checkpoint directory)
-            self.callbacks.append(NbddpBarMetrics())
+        else:  # logger=False: what the loggers would get, without adding one
+            _log_without_loggers(self, NbddpLogger())
+        if self.world_size == 1 and context.world_size() > 1:
+            sync_check.note_alone("lightning")
         bar = self.progress_bar_callback
         chosen = kwargs.get("callbacks") or []
         if isinstance(bar, callbacks.RichProgressBar) and bar not in chosen:
@@ -146,6 +131,28 @@ def patch_lightning(module: ModuleType) -> None:
             self.callbacks[self.callbacks.index(bar)] = callbacks.TQDMProgressBar()
 
     _after(trainer, "__init__", install)
+
+
+def _log_without_loggers(trainer: Any, logger: Any) -> None:
+    """A trainer without loggers still gives ``logger`` what ``self.log(...)`` logged, when
+    and as Lightning would give it to a logger (``log_every_n_steps``, epoch and validation
+    ends; ``epoch`` added where Lightning adds it): the rows are those of a trainer with one."""
+    connector: Any = getattr(trainer, "_logger_connector", None)
+    original = getattr(connector, "log_metrics", None)
+    if original is None:  # a Lightning without this seam: its panel shows bars only
+        return
+
+    @functools.wraps(original)
+    def log_metrics(metrics: Mapping[str, Any], step: int | None = None) -> None:
+        original(metrics, step)
+        if trainer.loggers or not metrics:
+            return
+        values = dict(metrics)
+        if step is None and values.pop("step", None) is None:
+            values.setdefault("epoch", trainer.current_epoch)
+        logger.log_metrics(values, step)
+
+    connector.log_metrics = log_metrics
 
 
 def patch_accelerate(module: ModuleType) -> None:

@@ -20,8 +20,25 @@ A = ModelPrint("Linear", 2, 1.5, 2.5, 3.25)
 B = ModelPrint("Linear", 2, 1.25, 2.5, 3.0)
 
 
-def check(*models: ModelPrint, collectives: int = 5, stepped: bool = True) -> SyncCheck:
-    return SyncCheck(tuple(models), collectives, stepped)
+def check(
+    *models: ModelPrint, collectives: int = 5, stepped: bool = True, alone: str = ""
+) -> SyncCheck:
+    return SyncCheck(tuple(models), collectives, stepped, alone)
+
+
+@pytest.mark.parametrize(
+    "checks",
+    [
+        {0: check(collectives=0, alone="accelerate"), 1: check(collectives=0, alone="accelerate")},
+        {0: check(A, alone="accelerate"), 1: check(B)},
+    ],
+)
+def test_a_library_that_ran_each_rank_alone_is_named_instead_of_prepare_model(checks):
+    verdict = judge(2, checks)
+    assert verdict is not None and verdict.startswith("ranks trained independently")
+    assert "Accelerate ran each rank as a process of its own" in verdict
+    assert "ACCELERATE_USE_CPU=true" in verdict and "Accelerator(cpu=True)" in verdict
+    assert "prepare_model" not in verdict
 
 
 @pytest.mark.parametrize(

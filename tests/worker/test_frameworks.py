@@ -187,17 +187,51 @@ def test_a_lightning_trainer_fills_history_averaged_across_ranks():
 
 
 @pytest.mark.slow
-def test_lightning_with_logger_false_shows_what_its_own_bar_shows():
-    """No logger is added (it would move the checkpoint directory): a callback gives the
-    panel the bar's metrics (``prog_bar=True``), one row per batch on every rank."""
+def test_lightning_with_logger_false_fills_history_as_a_logger_would_be_filled():
+    """No logger is added (it would move the checkpoint directory): what Lightning hands its
+    loggers reaches the panel all the same, every ``self.log`` value (not only the bar's),
+    at the logger's steps, averaged across the ranks."""
     with tempfile.TemporaryDirectory() as root:
         loggers, _, history, bars = launch(lightning_trainer, root, False)
     assert loggers == []
-    rows = [row for row in history if "shown_loss" in row]
-    assert len(rows) == 16  # 2 epochs x 8 batches, averaged across the 2 ranks
-    assert "train_loss" not in rows[0] and "v_num" not in rows[0]  # not on the bar: not shown
-    assert all(row["shown_loss"] > 0.5 for row in rows)  # rank 1's is rank 0's + 1
+    rows = [row for row in history if "train_loss" in row]
+    assert len(rows) == 8  # 2 epochs x 8 batches, logged every 2 steps: as with a logger
+    assert all({"train_loss", "shown_loss", "epoch"} <= set(row) for row in rows)
+    assert all(row["train_loss"] > 0.5 for row in rows)  # rank 1's is rank 0's + 1
     assert bars and bars[0].n == bars[0].total == 8
+
+
+def lightning_default_trainer(root: str) -> str:
+    import lightning.pytorch as pl
+    import torch
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: tuple, index: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(nbddp.rank())
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    trainer = pl.Trainer(max_epochs=1, default_root_dir=root, logger=False)
+    trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=16))
+    return type(trainer.strategy).__name__
+
+
+@pytest.mark.slow
+def test_a_lightning_trainer_of_one_device_per_rank_is_named_by_the_verdict():
+    with tempfile.TemporaryDirectory() as root, pytest.warns(nbddp.NbddpWarning):
+        strategy, *_ = launch(lightning_default_trainer, root)
+    assert strategy == "SingleDeviceStrategy"
+    warning = nbddp.last_run().warning
+    assert "Lightning's Trainer ran each rank as a job of one device" in warning
+    assert "Trainer(accelerator='cpu', devices=2, strategy='ddp')" in warning
+    assert "prepare_model" not in warning
 
 
 def accelerate_tracker(init_trackers: bool) -> int:
@@ -216,3 +250,104 @@ def test_accelerate_logs_reach_history_as_rank_0_logs_them(init_trackers):
     processes, _, history, _ = launch(accelerate_tracker, init_trackers)
     assert processes == 2
     assert history == [{"step": 10 * s, "loss": 1.0 / (s + 1)} for s in range(4)]
+
+
+# Accelerate's quicktour, as it is written: Accelerator() with no cpu=True. On CPU ranks
+# Accelerate sees the job only when told (ACCELERATE_USE_CPU, as accelerate launch --cpu and
+# its debug_launcher set it); otherwise each rank trains alone. Each rank starts from its own
+# random model: one DDP job makes them equal (rank 0's parameters are broadcast).
+QUICKTOUR = """
+import torch
+from accelerate import Accelerator
+
+def quicktour():
+    accelerator = Accelerator()
+    torch.manual_seed(nbddp.rank())
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+    weight = accelerator.unwrap_model(model).weight.detach().clone()
+    return accelerator.num_processes, str(accelerator.distributed_type), weight
+
+def quicktour_on_ranks(**options):
+    per_rank = nbddp.notebook_launch(
+        quicktour, num_workers=2, device="cpu", display="none", return_all=True, **options
+    )
+    same = torch.equal(per_rank[0][2], per_rank[1][2])
+    return [p[:2] for p in per_rank], same, nbddp.last_run().warning
+"""
+
+
+@pytest.mark.slow
+def test_accelerator_as_its_quicktour_writes_it_sees_the_cpu_ranks_as_one_job(kernel):
+    out, reply = kernel.run(QUICKTOUR + "print('one job:', quicktour_on_ranks())")
+    assert reply["status"] == "ok", out
+    assert "one job: ([(2, 'DistributedType.MULTI_CPU'), (2, 'DistributedType.MULTI_CPU')], " in out
+    assert "True, None)" in out, out  # the same model on both ranks, and no verdict
+
+
+@pytest.mark.slow
+def test_accelerate_running_each_rank_alone_is_named_by_the_verdict(kernel):
+    out, reply = kernel.run(
+        QUICKTOUR
+        + "import warnings\n"
+        + "with warnings.catch_warnings():\n"
+        + "    warnings.simplefilter('ignore')\n"
+        + "    print('alone:', quicktour_on_ranks(env={'ACCELERATE_USE_CPU': 'false'}))"
+    )
+    assert reply["status"] == "ok", out
+    assert "alone: ([(1, 'DistributedType.NO'), (1, 'DistributedType.NO')], False, " in out
+    assert "Accelerate ran each rank as a process of its own" in out, out
+    assert "prepare_model" not in out
+
+
+# Lightning's own README example, with logger=False: self.log("train_loss", loss) has no
+# prog_bar=True, so it is on no progress bar; run.history gets it all the same.
+LIGHTNING_README = """
+import tempfile
+import lightning as L
+
+class LitAutoEncoder(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.ReLU())
+        self.decoder = torch.nn.Sequential(torch.nn.Linear(4, 16))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        x_hat = self.decoder(self.encoder(x))
+        loss = torch.nn.functional.mse_loss(x_hat, x)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+def fit(root):
+    data = torch.utils.data.TensorDataset(torch.randn(320, 16), torch.zeros(320))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, log_every_n_steps=1,
+        logger=False, enable_checkpointing=False, default_root_dir=root,
+    )
+    trainer.fit(LitAutoEncoder(), torch.utils.data.DataLoader(data, batch_size=16))
+    return trainer.global_step
+
+with tempfile.TemporaryDirectory() as root:
+    steps = nbddp.notebook_launch(fit, (root,), num_workers=2, device="cpu", display="none")
+history = nbddp.last_run().history
+print("logged:", steps, len([row for row in history if "train_loss" in row]))
+"""
+
+
+@pytest.mark.slow
+def test_lightning_logger_false_self_log_fills_run_history_in_a_notebook(kernel):
+    out, reply = kernel.run(LIGHTNING_README, timeout=240)
+    assert reply["status"] == "ok", out
+    assert "logged: 10 10" in out, out  # 320 rows / 2 ranks / 16 a batch: a row per step
