@@ -1,18 +1,25 @@
-"""The seam between a :class:`~nbddp.run.Run` and what executes it.
+"""The seams between a :class:`~nbddp.run.Run`, what runs its ranks, and what decides.
 
-A :class:`Backend` runs the ranks somewhere (in the kernel itself, as processes on this
-machine, on a cluster), reports what happens to :class:`RunEvents`, and calls ``finish``
-exactly once with the :class:`Outcome`. ``Run`` knows nothing else about it, and a new place
-to run ranks is a new Backend, not a branch in the launch path.
+* A :class:`Backend` executes one run (in the kernel itself, or over :class:`Ranks`), reports
+  what happens to :class:`RunEvents`, and calls ``finish`` exactly once with the
+  :class:`Outcome`. ``Run`` knows nothing else about it.
+* :class:`Ranks` are rank processes somewhere (this machine, a cluster's nodes): started,
+  served until a :class:`Judge` decides, torn down. A launch and a session reach their ranks
+  through it alone, and differ only in the judge; ``launch.ranks_for`` picks where they run,
+  so a new place to run ranks is a new ``Ranks``, not a branch in the launch or session path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
-from nbddp.wire.messages import BarSnapshot, Block, Display, RankEvent
+from nbddp.wire.call import Call
+from nbddp.wire.messages import BarSnapshot, Block, Display, Output, RankEvent, Task
 from nbddp.wire.stacks import AskStacks, StackReport
+
+V = TypeVar("V", covariant=True)  # what a judge decides: a launch's Outcome, a session's code
+T = TypeVar("T")
 
 
 class Writable(Protocol):
@@ -21,16 +28,17 @@ class Writable(Protocol):
     def flush(self) -> None: ...
 
 
-class Judge(Protocol):
-    """Decides when a rank group's loop ends; called on the loop's thread only."""
+class Judge(Protocol[V]):
+    """Decides when the ranks' loop ends; called on the loop's thread only."""
 
-    def event(self, event: RankEvent) -> None: ...
+    def event(self, event: RankEvent) -> None:
+        """Something a rank said, or its end (a rank event of ``wire/messages.py``)."""
 
     def deadline(self) -> float | None:
         """The next ``time.monotonic()`` at which ``verdict`` may change by itself."""
 
-    def verdict(self) -> Any:
-        """Not None once the run is over (the loop then tears down and returns it)."""
+    def verdict(self) -> V | None:
+        """Not None once the loop is over (the loop then returns it)."""
 
 
 Status = Literal["starting", "running", "succeeded", "failed", "stopped"]
@@ -81,7 +89,11 @@ Finish = Callable[[Outcome], None]
 
 
 class Backend(Protocol):
-    nodes: tuple[str, ...]  # the machines' addresses, in node-rank order (once started)
+    """One run, from start to ``finish``: ``Run`` drives it and knows nothing else of it."""
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The machines' addresses, in node-rank order (once started)."""
 
     def start(self, events: RunEvents, finish: Finish) -> None:
         """Start the ranks. Raises (after cleaning up) if they cannot start; otherwise
@@ -93,3 +105,61 @@ class Backend(Protocol):
 
     def ask(self, message: AskStacks) -> None:
         """Send a roll-call to every rank; each answers through ``RunEvents.stacks``."""
+
+
+class Ranks(Protocol):
+    """Rank processes somewhere, from start to teardown: every rank of a launch or of a
+    session, on this machine (:class:`~nbddp.local.group.RankGroup`) or on a cluster's nodes
+    (:class:`~nbddp.clusters.ranks.ClusterRanks`). Made by ``launch.ranks_for``; making one
+    opens nothing, so one that never starts needs no teardown.
+
+    ``start``, ``serve`` and ``teardown`` are called from one thread at a time (``serve`` on a
+    thread of its own); the others may be called from any thread while ``serve`` runs."""
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The machines' addresses, in node-rank order (``("localhost",)`` on this one; a
+        cluster's once started)."""
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Each started rank's process id, by rank."""
+
+    def node_of(self, rank: int) -> str | None:
+        """The address of ``rank``'s machine, for errors; None on this machine."""
+
+    def start(self) -> None:
+        """Start every rank. Waits interruptibly where it waits (for the warm helper, a
+        cluster's reservation); what must happen whole happens with interrupts deferred. On
+        any exception (an interrupt included) the caller calls :meth:`teardown`."""
+
+    def serve(self, judge: Judge[T]) -> T | None:
+        """Feed every rank event to ``judge`` until its verdict (returned) or :meth:`stop`
+        (None), asking for the verdict after each batch of events and at the judge's
+        deadline; then tear down (whatever ended it), and return."""
+
+    def stop(self) -> None:
+        """Make :meth:`serve` return None soon (the judge's verdict, if any, first)."""
+
+    def teardown(self) -> None:
+        """End every rank and everything they started, close and remove what was opened;
+        the same path for every ending. Idempotent; returns when the ranks are gone."""
+
+    def send_all(self, message: Any) -> None:
+        """Send ``message`` to every rank that has its job (a rank still starting gets its
+        job first, and nothing else)."""
+
+    def send_task(self, task: Task, call: Call) -> None:
+        """A session's task to every rank: ``task`` with ``call``'s bytes beside it (mapped
+        by the ranks); ``call`` is closed once sent."""
+
+    def set_output(self, mode: Output, target: Writable | None = None) -> None:
+        """Whose stdout/stderr is shown from now on, and where (``target``; None: the
+        cell's own streams). Before :meth:`start`: from the first rank on."""
+
+    def drain_output(self) -> None:
+        """Pass on what the ranks wrote so far (on the loop's thread: a task is over once
+        every answer arrived, and what a rank printed before its answer goes first)."""
+
+    def wake(self) -> None:
+        """Make the loop ask its judge again now (the judge changed on another thread)."""

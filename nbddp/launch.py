@@ -1,5 +1,6 @@
 """``notebook_launch``: resolve a plan, pick the backend that runs it, drive a :class:`Run`;
-and ``spawn``, the same launch in ``torch.multiprocessing.spawn``'s shape."""
+``spawn``, the same launch in ``torch.multiprocessing.spawn``'s shape; and :func:`ranks_for`,
+the one place that picks where ranks run, for launches and sessions alike."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nbddp.backend import Backend
+from nbddp.backend import Backend, Ranks
 from nbddp.local.in_kernel import InKernel, device_name
-from nbddp.local.workers import LocalWorkers
+from nbddp.local.ranks import local_ranks
 from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan
 from nbddp.run import Run, remember
-from nbddp.wire.call import dumps_call
+from nbddp.supervised import Supervised
+from nbddp.wire.call import Call, dumps_call
 from nbddp.worker.spawned import LocalRankFirst
 
 
@@ -244,10 +246,22 @@ def _backend_for(
     """The backend and the device's name for the header; raises before anything starts."""
     if plan.in_kernel:
         return InKernel(plan, fn, args, kwargs), device_name(plan)
-    if plan.cluster is not None:
-        call = dumps_call(fn, args, kwargs, names, segment=False)  # the engine carries the bytes
-        from nbddp.clusters.workers import cluster_workers
+    # on a cluster the engine carries the bytes; here a SerializationError before any process
+    call = dumps_call(fn, args, kwargs, names, segment=plan.cluster is None)
+    try:
+        ranks = ranks_for(plan, call)
+    except BaseException:
+        call.close()
+        raise
+    return Supervised(plan, ranks), "cpu" if plan.device == "cpu" else "GPU"
 
-        return cluster_workers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
-    call = dumps_call(fn, args, kwargs, names)  # SerializationError before any process
-    return LocalWorkers(plan, call), "cpu" if plan.device == "cpu" else "GPU"
+
+def ranks_for(plan: LaunchPlan, call: Call, session: bool = False) -> Ranks:
+    """Where the ranks of ``plan`` run: processes on this machine, or on the nodes of
+    ``plan.cluster`` through its engine (``session``: ranks that stay up and take tasks).
+    Nothing starts, and nothing is opened, until their ``start``."""
+    if plan.cluster is None:
+        return local_ranks(plan, call, session=session)
+    from nbddp.clusters.ranks import cluster_ranks  # Ray or Slurm, imported when named
+
+    return cluster_ranks(plan, call, session)

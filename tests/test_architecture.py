@@ -37,7 +37,6 @@ ALLOWED = {
         "errors",
         "interrupts",
         "plan",
-        "rules",
         "wire",
         "worker",
     },
@@ -49,21 +48,28 @@ ALLOWED = {
         "interrupts",
         "local",
         "plan",
-        "rules",
         "wire",
         "worker",
     },
-    "launch": {"backend", "clusters", "local", "plan", "run", "wire", "worker", "errors"},
-    "sessions": {
+    # a launch's backend over any Ranks, judged by the referee
+    "supervised": {"backend", "errors", "interrupts", "plan", "rules", "wire"},
+    "launch": {
         "backend",
         "clusters",
-        "diagnosis",
-        "display",
-        "environment",
-        "errors",
-        "interrupts",
-        "launch",
         "local",
+        "plan",
+        "run",
+        "supervised",
+        "wire",
+        "worker",
+        "errors",
+    },
+    # ranks reached through launch.ranks_for alone: never local/ or clusters/ (a test below)
+    "sessions": {
+        "backend",
+        "diagnosis",
+        "errors",
+        "launch",
         "plan",
         "rules",
         "run",
@@ -168,6 +174,21 @@ def test_every_part_imports_only_what_the_table_allows():
             f"{name} -> {t}" for t in sorted(targets) if part_of(t) not in allowed | {part_of(name)}
         ]
     assert not wrong, "imports the table does not allow:\n" + "\n".join(wrong)
+
+
+def test_sessions_reach_their_ranks_through_the_launch_path_only():
+    """Where ranks run is picked in one place (``launch.ranks_for``), for launches and
+    sessions alike: a session that imported ``local/`` or ``clusters/`` would be a second path."""
+    assert not {"local", "clusters"} & ALLOWED["sessions"]
+    reached = {
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        if part_of(name) == "sessions"
+        for target in targets
+        if part_of(target) in ("local", "clusters")
+    }
+    assert not reached, reached
+    assert "nbddp.launch" in set().union(*(GRAPH[n] for n in GRAPH if part_of(n) == "sessions"))
 
 
 def test_only_the_notebook_part_imports_ipythons_core():

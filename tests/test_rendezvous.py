@@ -9,21 +9,34 @@ import pytest
 
 import nbddp
 from nbddp.local.processes import ColdStarter
-from nbddp.local.workers import local_group
+from nbddp.local.ranks import local_ranks
 from nbddp.plan import LaunchPlan
 from nbddp.wire.call import Call
 
 
+class KnockingStarter(ColdStarter):
+    """Before each rank starts, knock on the store's port that rank is given."""
+
+    def __init__(self) -> None:
+        self.knocked: list[int] = []
+
+    def start(self, argv, env, stdout, stderr):
+        port = int(env["MASTER_PORT"])
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # accepted into the backlog: this rank is not running yet
+        self.knocked.append(port)
+        return super().start(argv, env, stdout, stderr)
+
+
 def test_the_store_listens_before_any_rank_starts_and_closes_with_the_group():
-    group = local_group(LaunchPlan(2, "cpu", "gloo"), Call(b""), starter=ColdStarter())
-    ports = {env["MASTER_PORT"] for env in group._envs.values()}
-    assert len(ports) == 1
-    address = ("127.0.0.1", int(ports.pop()))
+    starter = KnockingStarter()
+    group = local_ranks(LaunchPlan(2, "cpu", "gloo"), Call(b""), starter=starter)
     try:
-        with socket.create_connection(address, timeout=5):
-            pass  # accepted into the backlog: no rank is running yet
+        group.start()
     finally:
         group.teardown()
+    assert len(starter.knocked) == 2 and len(set(starter.knocked)) == 1
+    address = ("127.0.0.1", starter.knocked[0])
     with pytest.raises(ConnectionRefusedError), socket.create_connection(address, timeout=5):
         pass
 

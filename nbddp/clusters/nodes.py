@@ -34,7 +34,7 @@ from typing import Any
 
 from nbddp.environment import Place, interface_of, store_socket, worker_env
 from nbddp.local.forkserver import WarmStarter
-from nbddp.local.group import RankGroup
+from nbddp.local.group import Environments, RankGroup
 from nbddp.wire import segment as shared
 from nbddp.wire.call import Call
 from nbddp.wire.messages import (
@@ -136,7 +136,7 @@ class _NodeRun:
 
     def _serve(self) -> None:
         try:
-            self.group.run(self.forwarder)
+            self.group.serve(self.forwarder)
         finally:
             self.forwarder.end()
 
@@ -208,19 +208,24 @@ class NodeCore:
         forwarder = _Forwarder(as_array)
         # the kernel's paths mean nothing here: the node's own (Ray's working_dir included)
         spec = dataclasses.replace(start.spec, sys_path=tuple(sys.path), cwd=os.getcwd())
+        store = self._stores.pop(start.run_id, None)  # node rank 0's: rank 0 serves it
         group = RankGroup(
             [p.rank for p in start.places],
-            envs,
+            lambda: Environments(envs, store),
             spec,
             call,
             self._starter,
             start.output,
             forwarder,
-            store=self._stores.pop(start.run_id, None),
         )
         forwarder.group = group
-        self._starter.warm_up()
-        group.start()
+        try:
+            group.start()
+        except BaseException:
+            group.teardown()
+            if store is not None:
+                store.close()  # the group never took it
+            raise
         run = self._runs[start.run_id] = _NodeRun(group, forwarder)
         run.thread.start()
         return group.pids

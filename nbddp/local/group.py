@@ -7,8 +7,11 @@ rank's connection (frames read a piece at a time), its stdout/stderr pipes, its 
 starter's sentinel), and a wake-up pipe for commands from other threads. A rank's ``Hello`` is
 answered with its job here; everything else a rank says, and its end, become
 :data:`~nbddp.wire.messages.RankEvent`\\ s handed to a :class:`Judge`, which decides when the run is
-over: a :class:`~nbddp.rules.referee.Referee` for a launch on this machine, a forwarder to the
-kernel on a cluster node. Teardown is the same for every ending.
+over: a :class:`~nbddp.rules.referee.Referee` for a launch on this machine, a session's judge,
+a forwarder to the kernel on a cluster node. Teardown is the same for every ending.
+
+In the kernel it is the :class:`~nbddp.backend.Ranks` of this machine (``local/ranks.py``
+makes it).
 
 Non-goal: deciding anything about the run; this is the plumbing.
 """
@@ -23,9 +26,11 @@ import selectors
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
+from nbddp import interrupts
 from nbddp.backend import Judge, Writable
+from nbddp.local.channels import KINDS, Channels
 from nbddp.local.dumps import SignalDumps
 from nbddp.local.processes import Starter, WorkerProcess, terminate
 from nbddp.local.pump import OutputPump
@@ -43,52 +48,64 @@ from nbddp.wire.messages import (
     Received,
     Shown,
     Started,
+    Task,
 )
 from nbddp.wire.stacks import AskStacks, RankStacks
-from nbddp.wire.transport import AuthenticationFailed, Connection, Listener, PendingHandshake
+from nbddp.wire.transport import Connection, Listener
 
-_READ_BUDGET = 16 << 20  # bytes read from one connection before the loop looks around
-_SEND_TIMEOUT = 60.0
+T = TypeVar("T")
+
+
+class Environments(NamedTuple):
+    """What the ranks of a group start with: each one's environment, and the rendezvous
+    store's listening socket when this group's rank 0 serves it (the group owns it)."""
+
+    envs: Mapping[int, dict[str, str]]
+    store: socket.socket | None = None
 
 
 class RankGroup:
-    """Start with :meth:`start`, run the loop with :meth:`run` (on its own thread); ``stop``
-    and ``send_all`` may be called from any thread."""
+    """The :class:`~nbddp.backend.Ranks` of one machine. Start with :meth:`start`, run the loop
+    with :meth:`serve` (on its own thread); ``stop``, ``send_all``, ``send_task``, ``wake`` and
+    ``set_output`` may be called from any thread. Making one opens nothing: ``environments``
+    (the ranks' environments and the store's socket) is called by :meth:`start`."""
+
+    nodes: tuple[str, ...] = ("localhost",)
 
     def __init__(
         self,
         ranks: Sequence[int],
-        envs: Mapping[int, dict[str, str]],
+        environments: Callable[[], Environments],
         spec: JobSpec,
         call: Call,
         starter: Starter,
         output: Output,
         target: Writable | None = None,
-        store: socket.socket | None = None,
     ) -> None:
         self.ranks = tuple(ranks)
-        self._store = store  # the rendezvous store's listening socket, for rank 0 (owned)
-        self._envs = envs
+        self._environments = environments
+        self._store: socket.socket | None = None  # the rendezvous store's socket, for rank 0
         self._spec = spec
         self._call: Call | None = call
         self._starter = starter
         self._output = output
         self._target = target
         self._dir: RunDir | None = None
-        self._listener: Listener | None = None
         self._workers: dict[int, WorkerProcess] = {}
         self._pump: OutputPump | None = None
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
+        self._selector = selectors.DefaultSelector()  # an epoll object: closed when collected
+        self._wake_r = self._wake_w = -1  # the wake-up pipe, opened by start
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stopping = False
         self._started_at = time.time()
-        self._connections: dict[Connection, int | None] = {}
+        self._channels = Channels(self._selector, self._handle)
         self._sent_job: set[int] = set()
         self._sources: dict[str, tuple[Any, ...]] = {}
         self._torn_down = False
         self._dumps = SignalDumps(lambda: self._dir.path if self._dir else None, lambda: self.pids)
+
+    def node_of(self, rank: int) -> str | None:
+        return None  # one machine: errors need not name it
 
     # -- from any thread -------------------------------------------------------------------
 
@@ -105,10 +122,17 @@ class RankGroup:
         self._commands.put((message, fds, then))
         self._wake()
 
+    def send_task(self, task: Task, call: Call) -> None:
+        """A session's task, its tensors in ``call``'s segment (closed once sent)."""
+        self.send_all(task, call.fds, then=call.close)
+
     def set_output(self, mode: Output, target: Writable | None = None) -> None:
-        """Where the ranks' output goes from now on (a session's next task)."""
-        assert self._pump is not None
-        self._pump.retarget(mode, target)
+        """Where the ranks' output goes from now on (a session's next task; before the start:
+        a launch's panel)."""
+        if self._pump is None:
+            self._output, self._target = mode, target
+        else:
+            self._pump.retarget(mode, target)
 
     def drain_output(self) -> None:
         """Pass on what the ranks wrote so far (called on the loop's thread: a session's
@@ -122,39 +146,49 @@ class RankGroup:
         self._wake()
 
     def _wake(self) -> None:
-        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway), or not open
             os.write(self._wake_w, b"x")
 
     # -- start -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Write the spec and the script, start every rank. Cleans up if anything fails."""
-        try:
-            self._dir = RunDir()
-            self._listener = Listener(f"unix:{self._dir.join('channel.sock')}")
-            spec = dataclasses.replace(
-                self._spec, address=self._listener.address, authkey=self._listener.key.hex()
-            )
-            self._dir.write(SPEC, spec.to_json())
-            argv = [self._dir.write_script()]
-            self._pump = OutputPump(self._output, self._target)
-            self._sources = payload.notebook_sources()
-            for rank in self.ranks:
-                out_r, out_w = os.pipe()
-                err_r, err_w = os.pipe()
-                try:
-                    self._workers[rank] = self._starter.start(argv, self._envs[rank], out_w, err_w)
-                except BaseException:
-                    os.close(out_r)
-                    os.close(err_r)
-                    raise
-                finally:
-                    os.close(out_w)
-                    os.close(err_w)
-                self._pump.add(rank, out_r, err_r)
-        except BaseException:
-            self.teardown()
-            raise
+        """Wait for the warm helper (interruptibly: nothing is open yet), then, with interrupts
+        held back, open the store, write the spec and the script and start every rank.
+        Cleans up if anything fails."""
+        self._starter.warm_up()
+        with interrupts.deferred():  # an interrupt lands after the whole start (or cleanup)
+            try:
+                self._open()
+            except BaseException:
+                self.teardown()
+                raise
+
+    def _open(self) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        envs, self._store = self._environments()
+        self._dir = RunDir()
+        listener = Listener(f"unix:{self._dir.join('channel.sock')}")
+        self._channels.listen(listener)
+        spec = dataclasses.replace(self._spec, address=listener.address, authkey=listener.key.hex())
+        self._dir.write(SPEC, spec.to_json())
+        argv = [self._dir.write_script()]
+        self._pump = OutputPump(self._output, self._target)
+        self._sources = payload.notebook_sources()
+        self._started_at = time.time()
+        for rank in self.ranks:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            try:
+                self._workers[rank] = self._starter.start(argv, envs[rank], out_w, err_w)
+            except BaseException:
+                os.close(out_r)
+                os.close(err_r)
+                raise
+            finally:
+                os.close(out_w)
+                os.close(err_w)
+            self._pump.add(rank, out_r, err_r)
 
     @property
     def pids(self) -> dict[int, int]:
@@ -162,18 +196,18 @@ class RankGroup:
 
     # -- the loop --------------------------------------------------------------------------
 
-    def run(self, judge: Judge) -> Any:
+    def serve(self, judge: Judge[T]) -> T | None:
         """Serve the ranks until the judge's verdict (returned) or a stop (None); tears down."""
         try:
             return self._serve(judge)
         finally:
             self.teardown()
 
-    def _serve(self, judge: Judge) -> Any:
+    def _serve(self, judge: Judge[T]) -> T | None:
         selector = self._selector
-        assert self._listener is not None and self._pump is not None
+        assert self._pump is not None
         selector.register(self._wake_r, selectors.EVENT_READ, ("wake",))
-        selector.register(self._listener, selectors.EVENT_READ, ("accept",))
+        self._channels.register()
         for rank, worker in self._workers.items():
             selector.register(worker.sentinel, selectors.EVENT_READ, ("exit", rank))
             for fd in self._pump.fds(rank):
@@ -182,7 +216,7 @@ class RankGroup:
         while True:
             for key, _ in selector.select(self._timeout(judge.deadline())):
                 self._dispatch(key)
-            self._expire_handshakes()
+            self._channels.expire()
             for dumped in self._dumps.due():  # the ranks that could not answer a roll-call
                 judge.event(Received(dumped.rank, dumped, []))
             verdict = judge.verdict()
@@ -192,12 +226,8 @@ class RankGroup:
                 return None
 
     def _timeout(self, deadline: float | None) -> float | None:
-        times = [t for t in (deadline, self._dumps.deadline()) if t is not None]
-        times += [
-            key.data[1].deadline
-            for key in self._selector.get_map().values()
-            if key.data[0] == "handshake"
-        ]
+        candidates = (deadline, self._dumps.deadline(), self._channels.deadline())
+        times = [t for t in candidates if t is not None]
         return max(0.0, min(times) - time.monotonic()) if times else None
 
     def _dispatch(self, key: selectors.SelectorKey) -> None:
@@ -209,22 +239,15 @@ class RankGroup:
                 message, fds, then = self._commands.get()
                 # Only to ranks that have their job: a rank still starting waits for the job
                 # alone (a roll-call there is "did not answer": it is importing, connecting).
-                working = {c: r for c, r in self._connections.items() if r in self._sent_job}
+                working = {c: r for c, r in self._channels.rank_of.items() if r in self._sent_job}
                 if isinstance(message, AskStacks) and not message.native:  # py-spy is slow
                     self._dumps.asked(message.query, list(working.values()))
                 for conn in working:
-                    self._send(conn, message, list(fds))
+                    self._channels.send(conn, message, list(fds))
                 if then is not None:
                     then()
-        elif kind == "accept":
-            assert self._listener is not None
-            pending = self._listener.accept()
-            if pending is not None:
-                self._selector.register(pending, selectors.EVENT_READ, ("handshake", pending))
-        elif kind == "handshake":
-            self._advance_handshake(key.data[1])
-        elif kind == "conn":
-            self._read(key.data[1])
+        elif kind in KINDS:
+            self._channels.ready(key)
         elif kind == "pipe":
             assert self._pump is not None
             if not self._pump.read(key.fd):
@@ -232,55 +255,13 @@ class RankGroup:
         elif kind == "exit":
             self._on_exit(key.data[1])
 
-    def _advance_handshake(self, pending: PendingHandshake) -> None:
-        try:
-            conn = pending.advance()
-        except BlockingIOError:
-            return
-        except (AuthenticationFailed, EOFError, OSError):
-            assert self._listener is not None
-            self._listener.rejected += 1
-            self._selector.unregister(pending)
-            pending.close()
-            return
-        if conn is not None:
-            self._selector.modify(pending, selectors.EVENT_READ, ("conn", conn))
-            self._connections[conn] = None
-
-    def _expire_handshakes(self) -> None:
-        now = time.monotonic()
-        for key in list(self._selector.get_map().values()):
-            if key.data[0] == "handshake" and key.data[1].deadline < now:
-                self._selector.unregister(key.fileobj)
-                key.data[1].close()
-
-    def _read(self, conn: Connection) -> None:
-        """Read what the connection has; handle each complete frame; forget it at EOF."""
-        try:
-            while conn in self._connections:
-                frame = conn.reader.read(conn.sock, budget=_READ_BUDGET)
-                if frame is None:
-                    return  # the budget is spent: the rest on the loop's next turn
-                self._handle(conn, frame.message, frame.buffers)
-        except BlockingIOError:
-            return
-        except (EOFError, OSError):
-            self._forget(conn)
-
-    def _forget(self, conn: Connection) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(conn)
-        conn.reader.discard()
-        self._connections.pop(conn, None)
-        conn.close()
-
     def _handle(self, conn: Connection, message: Any, buffers: list[Any]) -> None:
-        rank = self._connections.get(conn)
+        rank = self._channels.rank_of.get(conn)
         if rank is None:
             if isinstance(message, Hello):
                 self._welcome(conn, message.rank)
             else:
-                self._forget(conn)  # a stranger that knew the key but is no rank of ours
+                self._channels.forget(conn)  # a stranger that knew the key but is no rank of ours
         elif getattr(message, "rank", None) == rank:
             shown = isinstance(message, Display) and not message.update
             if shown and self._pump is not None:
@@ -289,21 +270,23 @@ class RankGroup:
                 self._dumps.answered(rank, message.query)
             self._judge.event(Received(rank, message, buffers))
             if shown:
-                self._send(conn, Shown())  # the rank may go on printing
+                self._channels.send(conn, Shown())  # the rank may go on printing
         else:
-            self._forget(conn)  # a message out of place
+            self._channels.forget(conn)  # a message out of place
 
     def _welcome(self, conn: Connection, rank: int) -> None:
         """A rank said hello: give it the job, once."""
         if rank not in self._workers or rank in self._sent_job or self._call is None:
-            self._forget(conn)
+            self._channels.forget(conn)
             return
-        self._connections[conn] = rank
+        self._channels.speaks_for(conn, rank)
         call = self._call
         store = self._store if rank == 0 else None
         fds = [*call.fds, store.fileno()] if store is not None else call.fds
-        self._send(conn, Job(call.stream, self._sources, call.layout, store is not None), fds=fds)
-        if conn not in self._connections:
+        self._channels.send(
+            conn, Job(call.stream, self._sources, call.layout, store is not None), fds=fds
+        )
+        if conn not in self._channels.rank_of:
             return
         if store is not None:
             self._close_store()  # rank 0 serves it now
@@ -312,22 +295,12 @@ class RankGroup:
             self._drop_call()  # every rank has it: nobody here keeps a copy
             self._judge.event(Started())
 
-    def _send(self, conn: Connection, message: Any, fds: list[int] | None = None) -> None:
-        """Send on a connection the loop reads without blocking; drop it if that fails."""
-        conn.sock.settimeout(_SEND_TIMEOUT)
-        try:
-            conn.send(message, fds=fds or ())
-        except OSError:
-            self._forget(conn)
-        else:
-            conn.sock.setblocking(False)
-
     def _on_exit(self, rank: int) -> None:
         assert self._pump is not None
         self._selector.unregister(self._workers[rank].sentinel)
-        for conn, conn_rank in list(self._connections.items()):
+        for conn, conn_rank in list(self._channels.rank_of.items()):
             if conn_rank == rank:  # its last words may still sit in the socket
-                self._read(conn)
+                self._channels.read(conn)
         self._pump.drain(rank)
         code = self._workers[rank].exitcode()
         self._judge.event(Ended(rank, code, self._pump.stderr_tail(rank)))
@@ -351,16 +324,10 @@ class RankGroup:
         self._torn_down = True
         terminate(list(self._workers.values()), self._spec.run_id, self._started_at)
         self._workers.clear()
-        for conn in list(self._connections):
-            self._forget(conn)
-        for key in list(self._selector.get_map().values()):
-            if key.data[0] == "handshake":
-                key.data[1].close()
+        self._channels.close()
         self._selector.close()
         if self._pump is not None:
             self._pump.close()
-        if self._listener is not None:
-            self._listener.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.backend import Outcome, RunEvents
 from nbddp.errors import LaunchTimeout, describe_exit
@@ -40,6 +40,9 @@ from nbddp.wire.messages import (
     Trained,
     Unsendable,
 )
+
+if TYPE_CHECKING:
+    from nbddp.plan import LaunchPlan
 
 # Seconds past a rank's own exit bound before the kernel stops waiting for it.
 EXIT_GRACE = 5.0
@@ -70,6 +73,26 @@ class Referee(Judging):
         self._exit_timeout = exit_timeout
         self._finishing: dict[int, float] = {}  # rank -> when its exit work began
         self.exit_warnings: list[str] = []
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: LaunchPlan,
+        events: RunEvents,
+        broadcast: Callable[[Any], None],
+        node_of: Callable[[int], str | None] = lambda rank: None,
+    ) -> Referee:
+        """The referee of a launch of ``plan``: a group (machine) per node starts."""
+        return cls(
+            plan.world_size,
+            plan.return_all,
+            plan.timeout,
+            events,
+            broadcast,
+            started_groups=plan.nodes,
+            node_of=node_of,
+            exit_timeout=plan.exit_timeout,
+        )
 
     def _message(self, rank: int, message: Any, buffers: list[Any]) -> None:
         match message:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from nbddp.backend import Outcome, RunEvents, Writable
 from nbddp.display.terminal import CellStream
@@ -20,6 +20,9 @@ from nbddp.errors import LaunchTimeout
 from nbddp.rules.in_step import out_of_step
 from nbddp.rules.judging import SETTLE, Clock, Judging, write_out
 from nbddp.wire.messages import Failed, GroupCount, Issued, Result, Unsendable
+
+if TYPE_CHECKING:
+    from nbddp.plan import LaunchPlan
 
 # How long ranks get to come back to idle after a failure, a stop or an interrupt before
 # they count as stuck (e.g. in a collective waiting for a peer that failed) and are restarted.
@@ -67,6 +70,27 @@ class TaskReferee(Judging):
         self._died: set[int] = set()
         self._ending: Ending | None = None
         self._grace_until: float | None = None
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: LaunchPlan,
+        events: RunEvents,
+        interrupt: Callable[[], None],
+        node_of: Callable[[int], str | None] = lambda rank: None,
+        issued: dict[int, tuple[GroupCount, ...] | None] | None = None,
+    ) -> TaskReferee:
+        """The referee of one task run with ``plan``'s options (``interrupt``: interrupt the
+        task on every rank; ``issued``: each rank's last report of its collectives)."""
+        return cls(
+            plan.world_size,
+            plan.return_all,
+            plan.timeout,
+            events,
+            interrupt,
+            node_of=node_of,
+            issued=issued,
+        )
 
     def _message(self, rank: int, message: Any, buffers: list[Any]) -> None:
         match message:

@@ -1,14 +1,15 @@
 """A session's ranks: started once, then serving one task after another.
 
-Where they run is a :class:`~nbddp.sessions.io.RanksIO` (``io.py``): on this machine one
-:class:`~nbddp.local.group.RankGroup` kept for the session's life (``LocalIO``); on a
-cluster each node's helper keeping its group (``ClusterWorkers``, ``session=True``). Their
-loop runs on a thread of its own, judged by a :class:`_Dispatcher` that hands each task's
-events to that task's :class:`~nbddp.rules.task_referee.TaskReferee` and watches the ranks between
-tasks (one that dies while idle ends the session's ranks). When a task's ranks are stuck, or
-came back with their collectives out of step (``rules/in_step.py``), the loop ends, which
-tears the ranks down, and only then is the task's outcome reported: a user who sees the error
-never waits on a leftover process.
+Where they run is the session's :class:`~nbddp.backend.Ranks`, picked by
+:func:`~nbddp.launch.ranks_for` exactly as a launch's are (with ``session=True``): on this
+machine one :class:`~nbddp.local.group.RankGroup` kept for the session's life; on a cluster each
+node's helper keeping its group. Their loop runs on a thread of its own, judged by a
+:class:`_Dispatcher` that hands each task's events to that task's
+:class:`~nbddp.rules.task_referee.TaskReferee` and watches the ranks between tasks (one that
+dies while idle ends the session's ranks). When a task's ranks are stuck, or came back with
+their collectives out of step (``rules/in_step.py``), the loop ends, which tears the ranks down,
+and only then is the task's outcome reported: a user who sees the error never waits on a
+leftover process.
 
 Closing idle ranks is their normal end: each is sent ``Close`` and runs its exit work (exit
 handlers, then the processes it started get SIGTERM; ``worker/exiting.py``), bounded by the
@@ -23,14 +24,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbddp.backend import Outcome, RunEvents
+from nbddp.backend import Outcome, Ranks, RunEvents
 from nbddp.errors import NbddpError, describe_exit, our_bug, warn_user
+from nbddp.launch import ranks_for
 from nbddp.plan import LaunchPlan
 from nbddp.rules.judging import write_out
 from nbddp.rules.referee import EXIT_GRACE
 from nbddp.rules.task_referee import TaskReferee, TaskVerdict, restart_cause, trigger
 from nbddp.rules.tracker import RunTracker
-from nbddp.sessions.io import RanksIO, ranks_io
 from nbddp.wire.call import Call
 from nbddp.wire.messages import (
     Close,
@@ -133,7 +134,7 @@ class _Dispatcher:
             if verdict is not None:
                 finish, self.finish, self.task = self.finish, None, None
                 assert finish is not None
-                self._ranks.io.drain_output()  # what the ranks printed before answering
+                self._ranks.processes.drain_output()  # what the ranks printed before answering
                 if verdict.lost:
                     self.left_over = (verdict, finish)
                     return "restart"
@@ -160,7 +161,7 @@ class SessionRanks:
     """The ranks of one session, from start to end. ``run_task`` and ``probe`` are called
     from the kernel's thread, one task at a time."""
 
-    def __init__(self, plan: LaunchPlan, io: RanksIO | None = None) -> None:
+    def __init__(self, plan: LaunchPlan, processes: Ranks | None = None) -> None:
         self.world_size = plan.world_size
         self.device_name = "cpu" if plan.device == "cpu" else "GPU"
         self.names: frozenset[str] = frozenset()  # what rank 0's namespace holds
@@ -169,10 +170,10 @@ class SessionRanks:
         self.probed = threading.Event()
         self.ended: str | None = None  # why the ranks are gone, once they are
         self.failure: NbddpError | None = None  # our own bug that ended them, if one did
-        self.io: RanksIO = io or ranks_io(plan)
-        self._on_cluster = plan.cluster is not None
+        self.processes = processes or ranks_for(
+            plan, Call(b""), session=True
+        )  # the calls come as tasks
         self._exit_timeout = plan.exit_timeout
-        self._per_node = plan.workers_per_node
         self._dispatcher = _Dispatcher(self)
         self._loop = threading.Thread(target=self._serve, name="nbddp-session", daemon=True)
         self._task_ids = iter(range(1, 1 << 62))
@@ -183,7 +184,7 @@ class SessionRanks:
         """Start the ranks and wait until every one joined the process group; raises (after
         ending them) if one fails first. An interrupt ends them too."""
         try:
-            self.io.start_ranks()
+            self.processes.start()
             self._loop.start()
             while not self._dispatcher.ready.wait(0.1):
                 if not self._loop.is_alive():
@@ -206,11 +207,11 @@ class SessionRanks:
 
     @property
     def pids(self) -> dict[int, int]:
-        return self.io.pids
+        return self.processes.pids
 
     @property
     def nodes(self) -> tuple[str, ...]:
-        return self.io.nodes
+        return self.processes.nodes
 
     def close(self) -> None:
         """End the ranks. Idle ones end normally: each runs its exit handlers (bounded; what
@@ -220,13 +221,13 @@ class SessionRanks:
         on_loop = threading.current_thread() is self._loop
         if self.alive and dispatcher.task is None and dispatcher.leaving is None and not on_loop:
             dispatcher.leaving = time.monotonic() + self._exit_timeout + EXIT_GRACE
-            self.io.send_all(Close())
+            self.processes.send_all(Close())
             self._loop.join()  # until every rank exited (or the bound passed)
         dispatcher.closing = True
-        self.io.stop()
+        self.processes.stop()
         if self._loop.is_alive() and not on_loop:
             self._loop.join()
-        self.io.teardown()
+        self.processes.teardown()
         if self.ended is None:
             self.ended = "closed"
         warnings, dispatcher.exit_warnings = dispatcher.exit_warnings, []
@@ -236,12 +237,12 @@ class SessionRanks:
     def _serve(self) -> None:
         dispatcher = self._dispatcher
         try:
-            why = self.io.serve(dispatcher) or "closed"
+            why = self.processes.serve(dispatcher) or "closed"
         except BaseException as exc:  # a bug of ours must still end the ranks cleanly
             self.failure = our_bug("session loop", exc)  # kept with its traceback
             why = str(self.failure)
         finally:
-            self.io.teardown()
+            self.processes.teardown()
         if dispatcher.died_idle is not None:
             event = dispatcher.died_idle
 
@@ -270,39 +271,34 @@ class SessionRanks:
         """Send one task to every rank; ``finish`` is called once with its verdict."""
         task_id = next(self._task_ids)
         task = Task(task_id, kind, call.stream, sources, call.layout, plan.return_all, plan.output)
-        referee = TaskReferee(
-            self.world_size,
-            plan.return_all,
-            plan.timeout,
+        referee = TaskReferee.for_plan(
+            plan,
             events,
-            interrupt=lambda: self.io.send_all(Interrupt(task_id)),
-            node_of=self._node_of,
+            interrupt=lambda: self.processes.send_all(Interrupt(task_id)),
+            node_of=self.processes.node_of,
             issued=self.issued,
         )
-        self.io.set_output(plan.output, events.output)
+        self.processes.set_output(plan.output, events.output)
 
         def done(verdict: TaskVerdict) -> None:
             if self.alive:
-                self.io.set_output("rank0")  # between tasks: the notebook's streams
+                self.processes.set_output("rank0")  # between tasks: the notebook's streams
             finish(verdict)
 
         self._dispatcher.finish = done
         self._dispatcher.task = referee
-        self.io.send_task(task, call)
+        self.processes.send_task(task, call)
         return referee
-
-    def _node_of(self, rank: int) -> str | None:
-        return self.io.nodes[rank // self._per_node] if self._on_cluster else None
 
     def stop_task(self, referee: TaskReferee) -> None:
         referee.stop()
-        self.io.wake()
+        self.processes.wake()
 
     def probe(self) -> dict[int, RankStatus]:
         """Each rank's status, as far as it answers within ``PROBE_WAIT`` seconds."""
         self.statuses = {}
         self.probed.clear()
         if self.alive:
-            self.io.send_all(Probe())
+            self.processes.send_all(Probe())
             self.probed.wait(PROBE_WAIT)
         return dict(self.statuses)

@@ -52,4 +52,4 @@ class SessionTask:
             self._ranks.stop_task(self._referee)
 
     def ask(self, message: Any) -> None:
-        self._ranks.io.send_all(message)
+        self._ranks.processes.send_all(message)

@@ -12,7 +12,7 @@ changes; an interrupt then cancels it; ``close()``, the kernel's exit (``atexit`
 failed wait cancel it too, so nothing is left queued or running. The allocation a kernel runs
 in is never cancelled by nbddp: it only ends its own step.
 
-Non-goal: the launch itself (``workers.py``).
+Non-goal: the launch itself (``../ranks.py``).
 """
 
 from __future__ import annotations

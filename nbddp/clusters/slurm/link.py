@@ -9,7 +9,7 @@ node, each connected back over TCP.
   never on a command line. The stream is authenticated, not encrypted.
 * Each helper is a :class:`HelperLink`: calls are framed messages answered in any order
   (``Future`` per call), read by one thread per link; a link whose connection ends fails its
-  waiting calls with :class:`~nbddp.clusters.workers.NodeGone`.
+  waiting calls with :class:`~nbddp.clusters.NodeGone`.
 * The step (:class:`HelperStep`) is kept for later launches and sessions; closing it closes
   the links, which ends every helper and so the step.
 

@@ -1,4 +1,4 @@
-"""Ranks on a Ray cluster: the Ray :class:`~nbddp.clusters.workers.Engine` of a launch.
+"""Ranks on a Ray cluster: the Ray :class:`~nbddp.clusters.engine.Engine` of a launch.
 
 * Reservation: one placement group reserves ``workers_per_node`` ranks' worth of resources
   (GPUs on cuda, CPUs on cpu) on each of ``nodes`` nodes (``STRICT_SPREAD``, one bundle per

@@ -1,4 +1,4 @@
-"""Ranks on a Slurm allocation: the Slurm :class:`~nbddp.clusters.workers.Engine` of a launch.
+"""Ranks on a Slurm allocation: the Slurm :class:`~nbddp.clusters.engine.Engine` of a launch.
 
 * Reservation: none to make. The allocation holds the nodes; a launch takes its first
   ``nodes`` nodes (in Slurm's order: node rank 0 is the first) and their warm helpers.
