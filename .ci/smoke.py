@@ -124,8 +124,9 @@ def _run_smoke(python: str, report: Path, tests: list[str] | None = None) -> lis
     if report.exists():
         for case in ET.parse(report).iter("testcase"):
             if case.find("failure") is not None or case.find("error") is not None:
-                module = case.get("classname", "").replace(".", "/")
-                failed.append(f"{module}.py::{case.get('name')}")
+                module = case.get("classname", "").replace(".", "/") + ".py"
+                name = case.get("name")  # none for a module that failed to import
+                failed.append(f"{module}::{name}" if name else module)
     return failed or ["(the run failed before any test: see above)"]
 
 
@@ -140,7 +141,7 @@ def _name_the_culprit(
     """Put the watched packages back to their locked versions one at a time, cumulatively, and
     run what still fails after each: a test that passes from then on is blamed on the package
     just put back. Bounded by ``CULPRIT_BUDGET`` seconds."""
-    tests = [t for t in failed if "::" in t]
+    tests = [t for t in failed if t.endswith(".py") or "::" in t]
     moved = [n for n in WATCHED if installed.get(n) and locked.get(n) and installed[n] != locked[n]]
     if not tests or not moved:
         print("   no package to blame: nothing watched differs from the locked set")
@@ -152,7 +153,7 @@ def _name_the_culprit(
         print(f"-- {name} {installed[name]} -> {locked[name]} (the locked one), then {len(tests)}")
         _pip(python, env, "install", f"{name}=={locked[name]}")
         still = _run_smoke(python, venv / "culprit.xml", tests) or []
-        if still and not any("::" in t for t in still):
+        if still and not any(t.endswith(".py") or "::" in t for t in still):
             still = tests  # the run itself broke: nothing is learnt from it
         for test in tests:
             if test not in still:
