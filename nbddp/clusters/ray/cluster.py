@@ -26,10 +26,15 @@ _by_address: dict[str, RayCluster] = {}
 
 
 class RayCluster:
-    """A Ray cluster to launch on. ``address``: None for the cluster this kernel is connected
-    to (or finds: ``ray.init(address="auto")``), ``"ray://host:port"`` for Ray Client;
-    ``runtime_env``: what Ray ships to every node for the ranks (``working_dir``,
-    ``py_modules``, ``pip``, ...)."""
+    """A Ray cluster to launch on, for ``cluster=`` (``cluster="ray"`` is ``RayCluster()``).
+
+    Args:
+        address: None for the cluster this kernel is connected to (or finds:
+            ``ray.init(address="auto")``), ``"ray://host:port"`` for Ray Client.
+        runtime_env: What Ray ships to every node for the ranks (``working_dir``,
+            ``py_modules``, ``pip``, ...): a module the call needs by name that a node cannot
+            import is named before anything starts, with this fix.
+    """
 
     def __init__(self, address: str | None = None, runtime_env: dict[str, Any] | None = None):
         if address is not None and not isinstance(address, str):

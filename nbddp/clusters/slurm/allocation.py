@@ -65,7 +65,21 @@ class SlurmCluster:
     and sessions, released by ``close()`` or the kernel's exit. ``nodes``, ``gpus_per_node``,
     ``partition``, ``time`` (Slurm's format: ``"1:00:00"``, or minutes) and ``account`` are
     sbatch's options of the same names; ``extra_args`` more of them (``["--qos=debug"]``).
-    The allocation is asked for at the first launch (or ``allocate()``)."""
+    The allocation is asked for at the first launch (or ``allocate()``).
+
+    Args:
+        partition: sbatch's ``--partition``.
+        nodes: sbatch's ``--nodes``.
+        gpus_per_node: sbatch's ``--gpus-per-node``.
+        time: sbatch's ``--time``: ``"1:00:00"``, or minutes.
+        account: sbatch's ``--account``.
+        extra_args: More sbatch options, as on its command line (``["--qos=debug"]``).
+
+    Raises:
+        ValueError: An option is not of its kind. At the first launch (or ``allocate()``),
+            a job Slurm would refuse is a ``ValueError`` too, with Slurm's reason, before
+            anything is queued (``sbatch --test-only`` first).
+    """
 
     def __init__(
         self,
