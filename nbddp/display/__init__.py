@@ -124,7 +124,7 @@ class LiveDisplay:
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        final = self.state.snapshot()
+        final = self.state.snapshot(final=True)
         if self._failed is not None:  # best effort: replace the stale panel by the summary
             with contextlib.suppress(Exception):
                 self._failed.finish(final)

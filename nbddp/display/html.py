@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+import os
 import time
 
 from nbddp.display import ansi
@@ -141,17 +142,34 @@ def _axis(value: float) -> str:
 
 
 def output_html(s: RunSnapshot) -> str:
-    if not s.output:
+    """Rank 0's output: live, its last lines; in the saved summary, its first and last lines
+    and, when lines between them are left out, a link to the file that holds them all."""
+    if not (s.output or s.output_head):
         return ""
     dropped = (
         f'<div style="color:#6b7280">… {s.output_dropped} earlier lines not shown</div>'
-        if s.output_dropped
+        if s.output_dropped and not s.output_head
         else ""
     )
+    middle = _left_out(s) if s.output_head and s.output_dropped else ""
     return (
         f'<details open><summary style="{_FONT}color:#6b7280">rank 0 output</summary>'
         f'{dropped}<pre class="nbddp-output" style="{_FONT}max-height:240px;overflow:auto;'
-        f'margin:2px 0">{ansi.to_html(s.output)}</pre></details>'
+        f'margin:2px 0">{ansi.to_html(s.output_head)}{middle}{ansi.to_html(s.output)}</pre>'
+        "</details>"
+    )
+
+
+def _left_out(s: RunSnapshot) -> str:
+    """The line between the first and the last lines: how many are left out, and where all
+    of them are (a link relative to the kernel's directory, the notebook's, when inside it)."""
+    where = html.escape(s.output_file)
+    relative = os.path.relpath(s.output_file) if s.output_file else ""
+    if relative and not relative.startswith(".."):
+        where = f'<a href="{html.escape(relative)}" target="_blank">{html.escape(relative)}</a>'
+    return (
+        f'<span style="color:#6b7280">… {s.output_dropped:,} lines not shown here; '
+        f"all of rank 0's output: {where or 'not saved'}</span>\n"
     )
 
 

@@ -128,4 +128,6 @@ def _plain(s: RunSnapshot) -> str:
     line = f"nbddp run {s.status} in {s.elapsed:.1f} s"
     if s.error_line:
         line += f": {s.error_line}"
+    if s.output_file:
+        line += f"\nall of rank 0's output: {s.output_file}"
     return line

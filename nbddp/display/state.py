@@ -18,6 +18,7 @@ from nbddp.diagnosis.answers import Answers
 from nbddp.display.metrics import History, MetricsAggregator
 from nbddp.display.rich import RichOutputs
 from nbddp.display.terminal import LineWindow
+from nbddp.display.transcript import Transcript
 from nbddp.wire.messages import BarSnapshot, Block, Display
 from nbddp.wire.stacks import StackReport
 
@@ -55,12 +56,14 @@ class RunSnapshot(NamedTuple):
     step: int  # the last averaged row
     series: dict[str, list[tuple[float, float]]]  # a chart's points per metric
     output: str  # the last lines of rank 0's output
-    output_dropped: int
+    output_dropped: int  # lines not shown before them (between output_head and them, if any)
     nodes: int = 1
     warning: str = ""  # the run succeeded, but its ranks did not train one model together
     rollcall: str = ""  # the last roll-call shown in the panel ("" none)
     stalled_since: float | None = None  # time.time() of the last progress, while stalled
     finishing: tuple[int, ...] = ()  # ranks that reported and run their exit handlers
+    output_head: str = ""  # the final snapshot's: the first lines of rank 0's output
+    output_file: str = ""  # the final snapshot's: a file with all of it, when some is dropped
 
     @property
     def finishing_line(self) -> str:
@@ -99,7 +102,8 @@ class RunState:
         self._bars: dict[int, ShownBar] = {}
         self.history = History()
         self.metrics = MetricsAggregator(world_size, self.history)
-        self._output = LineWindow(OUTPUT_LINES)
+        self._output = LineWindow(OUTPUT_LINES)  # what the live panel shows
+        self._transcript = Transcript()  # what its saved summary keeps
         self._finishing: frozenset[int] = frozenset()
         self.panel_output = False  # the live widget shows the ranks' output
         self.rich: RichOutputs | None = None  # where the ranks' rich output goes (the cell)
@@ -178,6 +182,7 @@ class RunState:
     def add_output(self, text: str) -> None:
         with self.changed:
             self._output.feed(text)
+            self._transcript.feed(text)
             self.last_progress = time.monotonic()
             self._bump()
 
@@ -201,13 +206,17 @@ class RunState:
             if error is not None:
                 self.error_line = first_line(error)
             self.warning = warning or ""
+            self._transcript.close()
             self._bump()
 
     # -- what views read -------------------------------------------------------------------
 
-    def snapshot(self) -> RunSnapshot:
+    def snapshot(self, final: bool = False) -> RunSnapshot:
+        """What the views show now; ``final``: the ended run's saved summary, with rank 0's
+        whole output as far as it is kept (:class:`Transcript`), not the live window."""
         with self.changed:
             history = self.history
+            output = self._transcript if final else self._output
             return RunSnapshot(
                 status=self.status,
                 elapsed=self.elapsed,
@@ -222,13 +231,15 @@ class RunState:
                 notes=tuple(self.metrics.notes),
                 step=history.steps[-1] if len(history) else 0,
                 series={name: history.series(name, CHART_POINTS) for name in history.columns},
-                output=self._output.text(),
-                output_dropped=self._output.dropped,
+                output=output.text(),
+                output_dropped=output.dropped,
                 nodes=self.nodes,
                 warning=self.warning,
                 finishing=tuple(sorted(self._finishing)),
                 rollcall=self._where,
                 stalled_since=self._stalled_since,
+                output_head=self._transcript.head_text() if final else "",
+                output_file=self._transcript.file if final else "",
             )
 
     def history_rows(self) -> list[dict[str, Any]]:

@@ -59,10 +59,14 @@ class LineWindow:
         line = "".join(self._open)
         if self._cut:
             line += f" … [{self._cut} more characters not shown]"
+        self._keep(line)
+        self._open, self._open_length, self._cut, self._restart = [], 0, 0, False
+
+    def _keep(self, line: str) -> None:
+        """A line just ended: into the window (its oldest line falls out when full)."""
         if len(self.lines) == self.lines.maxlen:
             self.dropped += 1
         self.lines.append(line)
-        self._open, self._open_length, self._cut, self._restart = [], 0, 0, False
 
     @property
     def open_line(self) -> str:
