@@ -46,7 +46,8 @@ class Transcript(LineWindow):
         super().__init__(keep=tail)
         self.lines = collections.deque()  # bounded below, by lines and by characters
         self.head: list[str] = []
-        self.file = ""  # where every line is, once some were dropped
+        self.file = ""  # where every line is, once some were dropped ("" if none could be made)
+        self._spilled = False
         self._limits = (head, tail, characters)
         self._head_characters = 0
         self._tail_characters = 0
@@ -67,7 +68,8 @@ class Transcript(LineWindow):
         while len(self.lines) > tail or self._tail_characters > characters:
             gone = self.lines.popleft()
             self._tail_characters -= len(gone)
-            if not self.file:  # the first line to leave: every line so far goes to a file
+            if not self._spilled:  # the first line to leave: every line so far goes to a file
+                self._spilled = True
                 self._open_file()
                 self._write("".join(f"{kept}\n" for kept in [*self.head, gone, *self.lines]))
             self.dropped += 1
@@ -96,12 +98,17 @@ class Transcript(LineWindow):
             path = os.path.join(LOG_DIRECTORY, name)
             descriptor = os.open(path, _NEW_PRIVATE_FILE, 0o600)
         except OSError:  # a working directory that cannot be written: a private temp one
-            path = os.path.join(tempfile.mkdtemp(prefix="nbddp-logs-"), name)
-            descriptor = os.open(path, _NEW_PRIVATE_FILE, 0o600)
+            try:
+                path = os.path.join(tempfile.mkdtemp(prefix="nbddp-logs-"), name)
+                descriptor = os.open(path, _NEW_PRIVATE_FILE, 0o600)
+            except OSError:  # nowhere: the summary keeps both ends and says so
+                return
         self.file = os.path.abspath(path)
         self._sink = os.fdopen(descriptor, "w", encoding="utf-8", errors="replace")
 
     def _write(self, text: str) -> None:
+        if not self.file:
+            return
         try:
             if self._sink is not None:
                 self._sink.write(text)

@@ -75,6 +75,23 @@ def test_an_unwritable_working_directory_puts_the_file_in_a_private_temp_one(tmp
     os.rmdir(os.path.dirname(transcript.file))
 
 
+def test_nowhere_to_write_keeps_both_ends_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / LOG_DIRECTORY).write_text("a file where the directory would go")
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("tempfile.mkdtemp", no_space)
+    state = RunState(1, "cpu", "gloo", "cpu")
+    state._transcript = Transcript(head=2, tail=2)
+    state.add_output(lines(1, 10))  # no error reaches the output's writer
+    state.finish("succeeded", None)
+    page = summary_html(state.snapshot(final=True))
+    assert "line 1\n" in page and "line 10\n" in page
+    assert "6 lines not shown here; all of rank 0's output: not saved" in page
+
+
 def test_the_saved_summary_shows_both_ends_and_links_the_whole_log(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     state = RunState(2, "cpu", "gloo", "cpu")
