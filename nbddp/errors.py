@@ -15,11 +15,13 @@ Bad arguments are plain ``ValueError`` raised before any process starts (see ``p
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
 import signal
 import sys
+import traceback
 import types
 import warnings
 from typing import Any
@@ -60,9 +62,7 @@ class NbddpError(Exception):
             shown: types.TracebackType | None = None
             for entry in reversed(kept):
                 shown = types.TracebackType(shown, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
-            lines: list[str] = shell.InteractiveTB.structured_traceback(
-                type(self), self, shown, tb_offset=shell.InteractiveTB.tb_offset
-            )
+            lines = ipython_lines(shell, type(self), self, shown)
         finally:
             self.__cause__ = cause
         return [notebook_frames(line, shell) for line in lines]
@@ -129,19 +129,9 @@ class WorkerError(NbddpError, RuntimeError):
         return f"{type(self).__name__}({self._message().splitlines()[0]!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep the fields when the error is pickled
-        return (
-            _rebuild_worker_error,
-            (
-                self.rank,
-                self.exitcode,
-                self.exc_type,
-                self.exc_message,
-                self.remote_traceback,
-                self.hint,
-                self.node,
-                self.summary,
-            ),
-        )
+        names = ("exitcode", "exc_type", "exc_message", "remote_traceback", "hint", "node")
+        fields = {name: getattr(self, name) for name in (*names, "summary")}
+        return functools.partial(WorkerError, self.rank, **fields), ()
 
     @classmethod
     def raised(
@@ -182,6 +172,15 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
+def ipython_lines(shell: Any, etype: type[BaseException], value: Any, tb: Any) -> list[str]:
+    """IPython's lines for an error, or its own line where IPython cannot (before 8.x it asserts
+    frames): a ``_render_traceback_`` that raises leaves the cell without a reply, a hang."""
+    try:
+        return list(shell.InteractiveTB.structured_traceback(etype, value, tb))
+    except Exception:
+        return traceback.format_exception_only(etype, value)
+
+
 def _ipython() -> Any:
     """The running IPython shell, without importing IPython where nothing did."""
     if "IPython" not in sys.modules:
@@ -199,28 +198,6 @@ def notebook_frames(text: str, shell: Any) -> str:
         return match[0] if number is None else f"Cell In[{number}], line {match['line']}"
 
     return _FRAME.sub(label, text)
-
-
-def _rebuild_worker_error(
-    rank: int,
-    exitcode: int | None,
-    exc_type: str | None,
-    exc_message: str,
-    remote_traceback: str,
-    hint: str,
-    node: str | None = None,
-    summary: str = "",
-) -> WorkerError:
-    return WorkerError(
-        rank,
-        exitcode=exitcode,
-        exc_type=exc_type,
-        exc_message=exc_message,
-        remote_traceback=remote_traceback,
-        hint=hint,
-        node=node,
-        summary=summary,
-    )
 
 
 _COMBINED: dict[type, type[WorkerError] | None] = {}

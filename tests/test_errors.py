@@ -53,3 +53,30 @@ def test_errors_keep_their_fields_through_pickling(error):
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is type(error) and str(again) == str(error)
     assert vars(again) == vars(error)
+
+
+class _OldIPython:
+    """A shell whose traceback formatter asserts that an error has frames (IPython < 8.x)."""
+
+    class InteractiveTB:
+        tb_offset = 0
+
+        @staticmethod
+        def structured_traceback(etype, value, tb, tb_offset=None):
+            assert tb is not None
+            return ["with frames"]
+
+    compile = None
+
+
+def test_an_error_shown_without_frames_renders_where_ipython_cannot(monkeypatch):
+    """A ``%%ddp`` cell's error has no local frame; IPython 8.0 asserted one, and the failure
+    inside ``_render_traceback_`` left the cell without a reply (a hang, seen on the oldest
+    declared IPython by .ci/smoke.py). The error's own line must come back instead."""
+    import nbddp.errors
+
+    monkeypatch.setattr(nbddp.errors, "_ipython", _OldIPython)
+    error = WorkerError(1, exitcode=1, exc_type="ZeroDivisionError", exc_message="x")
+    error._local_frames = False
+    lines = error._render_traceback_()
+    assert any("rank 1" in line for line in lines), lines

@@ -21,7 +21,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from nbddp.errors import NbddpError, WorkerError
+from nbddp.errors import NbddpError, WorkerError, ipython_lines
 from nbddp.exporting import export_cell
 from nbddp.launch import launch_plan
 from nbddp.notebook import cell as cells
@@ -57,10 +57,7 @@ class _CellInterrupted(KeyboardInterrupt):
     def _render_traceback_(self) -> list[str]:
         from IPython import get_ipython
 
-        lines: list[str] = get_ipython().InteractiveTB.structured_traceback(
-            KeyboardInterrupt, self, None
-        )
-        return lines
+        return ipython_lines(get_ipython(), KeyboardInterrupt, self, None)
 
 
 _CellInterrupted.__name__ = _CellInterrupted.__qualname__ = "KeyboardInterrupt"
