@@ -17,7 +17,8 @@ from typing import Any, Literal, get_args
 from nbddp.clusters.choice import resolve as resolve_cluster
 from nbddp.clusters.placement import place_on_cluster
 from nbddp.environment import check_user_env, notebook_logging
-from nbddp.wire.messages import JobSpec, Output
+from nbddp.wire.messages import Output
+from nbddp.wire.spec import JobSpec
 
 EXIT_TIMEOUT = JobSpec.exit_timeout  # seconds, unless NBDDP_EXIT_TIMEOUT says otherwise
 

@@ -18,7 +18,8 @@ from nbddp.diagnosis.stall import StallWatch
 from nbddp.display import LiveDisplay
 from nbddp.display.rich import RichOutputs
 from nbddp.display.state import RunState
-from nbddp.errors import LaunchTimeout, RunStopped, warn_always
+from nbddp.errors import LaunchTimeout, RunStopped
+from nbddp.errors.notices import warn_always
 from nbddp.plan import LaunchPlan
 from nbddp.wire.stacks import AskStacks
 

@@ -16,7 +16,7 @@ import threading
 
 from nbddp import interrupts
 from nbddp.backend import Finish, Outcome, Ranks, RunEvents
-from nbddp.errors import our_bug
+from nbddp.errors.notices import our_bug
 from nbddp.plan import LaunchPlan
 from nbddp.rules.referee import Referee
 from nbddp.wire.stacks import AskStacks

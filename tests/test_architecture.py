@@ -235,11 +235,25 @@ def test_a_rank_loads_no_kernel_module_and_importing_nbddp_starts_nothing():
     assert done.stdout.strip() == "[] []"
 
 
+MAX_LINES = 350  # past it, split a module by job (as errors/ and local/channels.py were)
+
+
 def test_no_module_is_much_longer_than_a_screenful_or_two():
     long = {
-        name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 400
+        name: n
+        for name, path in MODULES.items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"split these by job: {long}"
+
+
+def test_the_version_has_one_source():
+    """``nbddp.__version__`` is the package's version: pyproject.toml reads it from there."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "nbddp.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", nbddp.__version__)
 
 
 # The contract, as the repository carries it (``docs/API.md``, a copy of the project's shared

@@ -39,7 +39,6 @@ from nbddp.wire import segment as shared
 from nbddp.wire.call import Call
 from nbddp.wire.messages import (
     Failed,
-    JobSpec,
     Output,
     Printed,
     RankEvent,
@@ -48,6 +47,7 @@ from nbddp.wire.messages import (
     Task,
     Unsendable,
 )
+from nbddp.wire.spec import JobSpec
 
 _ANSWERS = (Result, Failed, Unsendable)
 

@@ -33,7 +33,7 @@ from nbddp.clusters import NodeGone
 from nbddp.clusters.engine import Answer, Engine, NodeClient, wait
 from nbddp.clusters.nodes import NodeStart, node_places
 from nbddp.environment import new_run_id
-from nbddp.errors import warn_user
+from nbddp.errors.notices import warn_user
 from nbddp.local.processes import TERM_GRACE
 from nbddp.plan import LaunchPlan, job_spec
 from nbddp.wire.call import Call

@@ -3,5 +3,5 @@ the odd one out (``stacks.py``), the answers as they arrive (``answers.py``), an
 shows the roll-call when no rank made progress for ``stall_after`` seconds (``stall.py``).
 
 The ranks' side is ``worker/stacks.py``; a rank that cannot answer is dumped by a signal
-(``local/dumps.py``). Nothing here runs while nothing is asked or nothing stalls.
+(``local/stack_dumps.py``). Nothing here runs while nothing is asked or nothing stalls.
 """

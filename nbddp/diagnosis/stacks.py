@@ -82,7 +82,7 @@ def source_line(frame: StackFrame) -> str:
     return frame.line or linecache.getline(frame.filename, frame.lineno).strip()
 
 
-class Place(NamedTuple):
+class CodePlace(NamedTuple):
     """Where one rank's main thread is, in words."""
 
     at: str  # "Cell In[7], line 12"
@@ -90,7 +90,7 @@ class Place(NamedTuple):
     collective: Collective | None  # the collective it waits in, when it does
 
 
-def place_of(report: StackReport) -> Place | None:
+def place_of(report: StackReport) -> CodePlace | None:
     main = next((t for t in report.threads if t.main), None)
     if main is None or not main.frames:
         return None
@@ -98,19 +98,19 @@ def place_of(report: StackReport) -> Place | None:
     index = max((i for i, f in enumerate(frames) if _is_user(f)), default=None)
     if index is None:  # nbddp's own code (starting, between steps), or what it called
         waits = f"{frames[-1].function}()" if frames else "its own work"
-        return Place("nbddp's own code", waits, None)
+        return CodePlace("nbddp's own code", waits, None)
     user = frames[index]
     inner = frames[index + 1 :]
     in_distributed = any("torch" + os.sep + "distributed" + os.sep in f.filename for f in inner)
     if in_distributed and report.collectives:
         last = report.collectives[-1]
-        return Place(location(user), describe(last), last)
+        return CodePlace(location(user), describe(last), last)
     if in_distributed:  # the collective is unknown: name torch's function, not its wrapper
         called = [f for f in inner if "torch" + os.sep + "distributed" + os.sep in f.filename]
-        return Place(location(user), f"{called[-1].function}()", None)
+        return CodePlace(location(user), f"{called[-1].function}()", None)
     if inner:
-        return Place(location(user), f"{inner[0].function}()", None)
-    return Place(location(user), source_line(user) or f"{user.function}()", None)
+        return CodePlace(location(user), f"{inner[0].function}()", None)
+    return CodePlace(location(user), source_line(user) or f"{user.function}()", None)
 
 
 def _after_own(frames: tuple[StackFrame, ...]) -> list[StackFrame]:
@@ -146,7 +146,7 @@ class Stacks:
         self.reports: dict[int, StackReport] = dict(sorted(reports.items()))
         self.taken_at = taken_at if taken_at is not None else time.time()
         self.note = note
-        self.places: dict[int, Place | None] = {r: place_of(p) for r, p in self.reports.items()}
+        self.places: dict[int, CodePlace | None] = {r: place_of(p) for r, p in self.reports.items()}
         self.groups = self._group()
         self.odd_ones, self.verdict = self._judge()
 
@@ -168,8 +168,8 @@ class Stacks:
 
     # -- the roll-call --------------------------------------------------------------------
 
-    def _group(self) -> list[tuple[list[int], Place | None]]:
-        groups: dict[Place | None, list[int]] = {}
+    def _group(self) -> list[tuple[list[int], CodePlace | None]]:
+        groups: dict[CodePlace | None, list[int]] = {}
         for rank, place in self.places.items():
             groups.setdefault(place, []).append(rank)
         return sorted(((ranks, p) for p, ranks in groups.items()), key=lambda g: (-len(g[0]), g[0]))
@@ -289,7 +289,7 @@ class Stacks:
         p.text(str(self))  # type: ignore[attr-defined]
 
 
-def _collective_verdict(waiting: list[tuple[list[int], Place]]) -> str:
+def _collective_verdict(waiting: list[tuple[list[int], CodePlace]]) -> str:
     """Every rank waits in a collective, not all in the same one: say how they differ."""
     by_seq: dict[int, list[tuple[list[int], Collective]]] = {}
     for ranks, place in waiting:

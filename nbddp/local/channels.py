@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbddp.wire.transport import AuthenticationFailed, Connection, Listener, PendingHandshake
+from nbddp.wire.frames import Connection
+from nbddp.wire.transport import AuthenticationFailed, Listener, PendingHandshake
 
 KINDS = ("accept", "handshake", "conn")  # the selector keys this module serves
 _READ_BUDGET = 16 << 20  # bytes read from one connection before the loop looks around

@@ -41,8 +41,8 @@ from nbddp import interrupts
 from nbddp.environment import WORKER_VARIABLE, without_launchers
 from nbddp.local.processes import ColdStarter, Starter, WorkerProcess
 from nbddp.local.processes import signal_group as _signal_group
+from nbddp.wire.frames import Connection
 from nbddp.wire.helper import Exited, Ready, Release, Spawn, Spawned, SpawnFailed
-from nbddp.wire.transport import Connection
 
 READY_WAIT = 10.0  # seconds a launch waits for a starting helper before starting cold
 _REPLY_WAIT = 10.0

@@ -31,27 +31,17 @@ from typing import Any, NamedTuple, TypeVar
 from nbddp import interrupts
 from nbddp.backend import Judge, Writable
 from nbddp.local.channels import KINDS, Channels
-from nbddp.local.dumps import SignalDumps
 from nbddp.local.processes import Starter, WorkerProcess, terminate
 from nbddp.local.pump import OutputPump
 from nbddp.local.rundir import RunDir
+from nbddp.local.stack_dumps import SignalDumps
 from nbddp.wire import payload
 from nbddp.wire.call import Call
-from nbddp.wire.messages import (
-    SPEC,
-    Display,
-    Ended,
-    Hello,
-    Job,
-    JobSpec,
-    Output,
-    Received,
-    Shown,
-    Started,
-    Task,
-)
+from nbddp.wire.frames import Connection
+from nbddp.wire.messages import Display, Ended, Hello, Job, Output, Received, Shown, Started, Task
+from nbddp.wire.spec import SPEC, JobSpec
 from nbddp.wire.stacks import AskStacks, RankStacks
-from nbddp.wire.transport import Connection, Listener
+from nbddp.wire.transport import Listener
 
 T = TypeVar("T")
 

@@ -35,7 +35,8 @@ from nbddp.environment import (
     single_node,
     torchrun_env,
 )
-from nbddp.errors import LaunchTimeout, WorkerError
+from nbddp.errors import LaunchTimeout
+from nbddp.errors.remote import rank_raised
 from nbddp.plan import LaunchPlan
 from nbddp.wire import payload
 from nbddp.wire.stacks import AskStacks, StackReport
@@ -269,7 +270,7 @@ class InKernel:
             finish(Outcome("stopped"))
             raise
         except BaseException as exc:
-            error = WorkerError.raised(
+            error = rank_raised(
                 0,
                 type(exc).__name__,
                 message_of(exc),

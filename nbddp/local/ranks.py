@@ -19,7 +19,7 @@ from nbddp.environment import (
     store_socket,
     worker_env,
 )
-from nbddp.errors import warn_user
+from nbddp.errors.notices import warn_user
 from nbddp.local.forkserver import default_starter
 from nbddp.local.group import Environments, RankGroup
 from nbddp.local.processes import Starter

@@ -28,18 +28,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nbddp.backend import Outcome, RunEvents
-from nbddp.errors import LaunchTimeout, describe_exit
+from nbddp.errors import LaunchTimeout
+from nbddp.errors.render import describe_exit
 from nbddp.rules.judging import SETTLE, Clock, Judging
-from nbddp.wire.messages import (
-    AllJoined,
-    ExitReport,
-    Failed,
-    JobSpec,
-    Joined,
-    Result,
-    Trained,
-    Unsendable,
-)
+from nbddp.wire.messages import AllJoined, ExitReport, Failed, Joined, Result, Trained, Unsendable
+from nbddp.wire.spec import JobSpec
 
 if TYPE_CHECKING:
     from nbddp.plan import LaunchPlan

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 from nbddp.backend import Outcome
-from nbddp.errors import describe_exit
+from nbddp.errors.render import describe_exit
 from nbddp.rules.judging import Clock, write_out
 from nbddp.rules.referee import EXIT_GRACE
 from nbddp.rules.task_referee import TaskReferee, TaskVerdict, restart_cause, trigger

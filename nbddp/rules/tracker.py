@@ -23,7 +23,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from nbddp.backend import Outcome
-from nbddp.errors import SerializationError, WorkerError, import_class
+from nbddp.errors import SerializationError, WorkerError
+from nbddp.errors.remote import import_class, rank_raised
 from nbddp.rules.sync import judge
 from nbddp.wire import payload
 from nbddp.wire.messages import ErrorReport, SyncCheck
@@ -68,7 +69,7 @@ def raised(rank: int, report: ErrorReport, node: str | None = None) -> Failure:
     if not isinstance(original, BaseException):
         original = None
     remote_class = None if original is not None else import_class(report.mro[0])
-    error = WorkerError.raised(
+    error = rank_raised(
         rank,
         report.exc_type,
         report.message,

@@ -21,7 +21,8 @@ import threading
 from typing import Any
 
 from nbddp.backend import Ranks, RunEvents
-from nbddp.errors import NbddpError, our_bug, warn_user
+from nbddp.errors import NbddpError
+from nbddp.errors.notices import our_bug, warn_user
 from nbddp.launch import ranks_for
 from nbddp.plan import LaunchPlan
 from nbddp.rules.session_judge import SessionJudge, TaskFinish

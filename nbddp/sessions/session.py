@@ -18,20 +18,21 @@ the session, and tasks reach them through it.
 from __future__ import annotations
 
 import time
-import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nbddp.errors import NbddpError, WorkerError, warn_user
+from nbddp.errors import NbddpError, WorkerError
+from nbddp.errors.notices import warn_user
 from nbddp.launch import check_call
 from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan, with_run_options
 from nbddp.rules.task_referee import restart_cause, restart_note, trigger
 from nbddp.run import Run, remember
 from nbddp.sessions.ranks import SessionRanks
+from nbddp.sessions.shipping import without_names
 from nbddp.sessions.status import SessionStatus, session_status
 from nbddp.sessions.task import SessionTask
-from nbddp.wire.call import Call, dumps_call, rebind_globals
+from nbddp.wire.call import Call, dumps_call
 
 _current: Session | None = None
 
@@ -157,7 +158,7 @@ class Session:
         plan = self._options(timeout, display, output, return_all, block, stall_after)
         ranks = self._ready_ranks()
         call = dumps_call(
-            _without_names(fn, ranks.names),
+            without_names(fn, ranks.names),
             tuple(args),
             dict(kwargs or {}),
             segment=self._plan.cluster is None,  # on a cluster, Ray's object store carries them
@@ -330,25 +331,3 @@ def _close(holder: list[SessionRanks | None]) -> None:
     ranks, holder[0] = holder[0], None
     if ranks is not None:
         ranks.close()
-
-
-def _by_value(fn: types.FunctionType) -> bool:
-    """Shipped with its globals (the notebook's functions), not imported by name."""
-    import cloudpickle
-
-    module = fn.__module__
-    registered = cloudpickle.list_registry_pickle_by_value()
-    return module == "__main__" or any(
-        module == m or module.startswith(m + ".") for m in registered
-    )
-
-
-def _without_names(fn: Any, names: frozenset[str]) -> Any:
-    """``fn`` without the notebook globals the ranks hold already: those resolve there, so
-    shipping them would only copy (a model, a dataset) for nothing."""
-    if not isinstance(fn, types.FunctionType) or not names or not _by_value(fn):
-        return fn
-    shared = names.intersection(fn.__globals__)
-    if not shared:
-        return fn
-    return rebind_globals(fn, {k: v for k, v in fn.__globals__.items() if k not in shared})

@@ -20,7 +20,8 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from nbddp.errors import SerializationError, warn_user
+from nbddp.errors import SerializationError
+from nbddp.errors.notices import warn_user
 from nbddp.wire import in_place, payload
 from nbddp.wire import segment as shared
 from nbddp.wire.culprit import describe, function_children, locate_unpicklable

@@ -25,30 +25,9 @@ def format_object(
         return {}, {}
     data: dict[str, Any] = {}
     metadata: dict[str, Any] = {}
-    bundle = getattr(obj, "_repr_mimebundle_", None)
-    if callable(bundle) and not isinstance(obj, type):
-        try:
-            found = bundle(include=include, exclude=exclude)
-        except Exception:
-            found = None
-        if isinstance(found, tuple):
-            found, more = found
-            metadata.update(more or {})
-        data.update(found or {})
-    if not isinstance(obj, type):
-        for mime, name in _REPR_METHODS.items():
-            method = getattr(obj, name, None)
-            if mime in data or not callable(method):
-                continue
-            try:
-                value = method()
-            except Exception:
-                continue
-            if isinstance(value, tuple):
-                value, more = value
-                metadata[mime] = more
-            if value is not None:
-                data[mime] = value
+    if not isinstance(obj, type):  # a class's own methods are no representation of it
+        _from_mimebundle(obj, include, exclude, data, metadata)
+        _from_repr_methods(obj, data, metadata)
     figure = sys.modules.get("matplotlib.figure")
     if figure is not None and isinstance(obj, figure.Figure) and "image/png" not in data:
         png = _figure_png(obj)
@@ -64,6 +43,40 @@ def format_object(
     if exclude:
         data = {k: v for k, v in data.items() if k not in exclude}
     return data, metadata
+
+
+def _from_mimebundle(
+    obj: Any, include: Any, exclude: Any, data: dict[str, Any], metadata: dict[str, Any]
+) -> None:
+    """What ``obj._repr_mimebundle_`` gives (a bundle, or a bundle and its metadata)."""
+    bundle = getattr(obj, "_repr_mimebundle_", None)
+    if not callable(bundle):
+        return
+    try:
+        found = bundle(include=include, exclude=exclude)
+    except Exception:
+        found = None
+    if isinstance(found, tuple):
+        found, more = found
+        metadata.update(more or {})
+    data.update(found or {})
+
+
+def _from_repr_methods(obj: Any, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+    """The ``_repr_*_`` methods' values for the types the bundle does not have yet."""
+    for mime, name in _REPR_METHODS.items():
+        method = getattr(obj, name, None)
+        if mime in data or not callable(method):
+            continue
+        try:
+            value = method()
+        except Exception:
+            continue
+        if isinstance(value, tuple):
+            value, more = value
+            metadata[mime] = more
+        if value is not None:
+            data[mime] = value
 
 
 def _figure_png(figure: Any) -> bytes | None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import sys
 
+from nbddp.wire.frames import Connection
 from nbddp.wire.messages import GroupCount, Issued
-from nbddp.wire.transport import Connection
 
 _NEVER = object()
 

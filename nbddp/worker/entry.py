@@ -22,9 +22,10 @@ import threading
 
 from nbddp.wire import payload, transport
 from nbddp.wire.call import loads_call
-from nbddp.wire.messages import SPEC, AllJoined, Failed, Hello, JobSpec, Joined, Shown, Trained
+from nbddp.wire.frames import Connection
+from nbddp.wire.messages import AllJoined, Failed, Hello, Joined, Shown, Trained
+from nbddp.wire.spec import SPEC, JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.wire.transport import Connection
 from nbddp.worker import integrations, live, rich, stacks, sync_check
 from nbddp.worker.exiting import exit_normally, skip_import_finalizers
 from nbddp.worker.reaping import become_subreaper, end_descendants

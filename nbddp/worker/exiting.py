@@ -36,8 +36,8 @@ from collections.abc import Iterable
 from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
+from nbddp.wire.frames import Connection
 from nbddp.wire.messages import ExitReport
-from nbddp.wire.transport import Connection
 from nbddp.worker.reaping import end_descendants, process_table, signal_each
 from nbddp.worker.setup import flush_output
 

@@ -23,8 +23,8 @@ import socket
 import sys
 import time
 
+from nbddp.wire.frames import Connection
 from nbddp.wire.helper import Exited, Ready, Release, Spawn, Spawned, SpawnFailed
-from nbddp.wire.transport import Connection
 from nbddp.worker.reaping import become_subreaper, exit_status, process_table, signal_each
 
 _PR_SET_PDEATHSIG = 1

@@ -14,8 +14,8 @@ import traceback
 import types
 
 from nbddp.wire import payload
+from nbddp.wire.frames import Connection
 from nbddp.wire.messages import Bars, BarSnapshot, Block, ErrorReport, MainRows, Rows
-from nbddp.wire.transport import Connection
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 

@@ -27,11 +27,11 @@ from typing import Any
 
 from nbddp.wire import payload
 from nbddp.wire.call import loads_call, rebind_globals
+from nbddp.wire.frames import Connection, Frame
 from nbddp.wire.messages import (
     Close,
     Failed,
     Interrupt,
-    JobSpec,
     Joined,
     Names,
     Probe,
@@ -39,8 +39,8 @@ from nbddp.wire.messages import (
     Shown,
     Task,
 )
+from nbddp.wire.spec import JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.wire.transport import Connection, Frame
 from nbddp.worker import collectives, integrations, live, rich, stacks, world
 from nbddp.worker.context import device
 from nbddp.worker.exiting import skip_import_finalizers

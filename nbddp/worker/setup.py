@@ -12,9 +12,10 @@ from typing import Any
 
 from nbddp.errors import SerializationError
 from nbddp.wire import payload
-from nbddp.wire.messages import DeviceName, Job, JobSpec, Result, Unsendable
+from nbddp.wire.frames import Connection, Frame
+from nbddp.wire.messages import DeviceName, Job, Result, Unsendable
+from nbddp.wire.spec import JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.wire.transport import Connection, Frame
 from nbddp.worker import notebook_code, stacks
 
 

@@ -177,7 +177,7 @@ def _answer_impl(*args: Any, **kwargs: Any) -> None:
     error = _other_world(world, asked)
     if error is not None:
         raise error  # here, not deeper: the traceback ends at the user's call
-    backend = _backend_for(world, asked.get("backend"))
+    backend = _dist_backend(world, asked.get("backend"))
     options = {k: asked[k] for k in ("timeout", "device_id", "pg_options") if asked.get(k)}
     if dist.is_initialized():
         if backend is None or _names(backend) <= _names(dist.get_backend()):
@@ -190,7 +190,7 @@ def _answer_impl(*args: Any, **kwargs: Any) -> None:
 _answer = _wraps_torch(_answer_impl)
 
 
-def _backend_for(world: World, asked: Any) -> str | None:
+def _dist_backend(world: World, asked: Any) -> str | None:
     """The backend to use: None keeps what exists. NCCL on a rank without a GPU cannot work,
     so the CPU launch's gloo stays (as the launch's ``device=`` said)."""
     if asked is None or str(asked).lower() in ("", "undefined"):

@@ -8,7 +8,7 @@ import pickle
 import typing
 
 from nbddp.wire import messages
-from nbddp.wire.messages import JobSpec
+from nbddp.wire.spec import JobSpec
 
 
 def test_the_job_spec_comes_back_from_its_file_as_it_was_written():

@@ -15,7 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from nbddp.wire.transport import AuthenticationFailed, Connection, FrameReader, Listener, connect
+from nbddp.wire.frames import Connection, FrameReader
+from nbddp.wire.transport import AuthenticationFailed, Listener, connect
 
 
 class _Boom:
@@ -110,6 +111,25 @@ def test_buffers_land_in_their_destination_and_descriptors_ride_along():
     for descriptor in (fd, *frame.fds):
         os.close(descriptor)
     sender.close()
+    receiver.close()
+
+
+def test_a_frame_that_lost_a_descriptor_fails_loudly_and_keeps_none():
+    """The header says how many descriptors ride along; one that did not arrive (here: the
+    sender announced one and sent none) is an error at once, not a missing segment later."""
+    left, right = socket.socketpair()
+    data = pickle.dumps(("job",), protocol=5)
+    left.sendall(struct.pack("!IIQ", 0, 1, len(data)) + data)  # 0 buffers, 1 fd, the pickle
+    receiver = Connection(right)
+    with pytest.raises(ConnectionError, match="carried 0 of its 1 file descriptors"):
+        receiver.recv(timeout=5)
+    fd = os.memfd_create("probe")
+    Connection(left).send(("next",), fds=[fd])  # the reader starts afresh on the next frame
+    frame = receiver.recv(timeout=5)
+    assert frame.message == ("next",) and len(frame.fds) == 1
+    for descriptor in (fd, *frame.fds):
+        os.close(descriptor)
+    left.close()
     receiver.close()
 
 

@@ -36,17 +36,18 @@ from typing import Any
 from nbddp import interrupts
 from nbddp.clusters import NodeGone
 from nbddp.clusters.placement import NodeInfo
-from nbddp.clusters.slurm.wire import (
+from nbddp.clusters.slurm.messages import (
     ADDRESS_VARIABLE,
     KEY_VARIABLE,
     NODES_VARIABLE,
     OUT_OF_BAND,
-    Hello,
     NodeCall,
+    NodeHello,
     NodeReply,
 )
 from nbddp.errors import NbddpError
-from nbddp.wire.transport import AuthenticationFailed, Connection, Listener, PendingHandshake
+from nbddp.wire.frames import Connection
+from nbddp.wire.transport import AuthenticationFailed, Listener, PendingHandshake
 
 START_WAIT = 180.0  # seconds for every node's helper to connect (srun, Python, torch)
 CLOSE_WAIT = 15.0  # seconds for the step to end once its helpers were told to go
@@ -75,7 +76,7 @@ def listen_address(nodes: Sequence[NodeInfo]) -> str:
 class HelperLink:
     """One node's helper, connected: its calls, answered by its reader thread."""
 
-    def __init__(self, conn: Connection, hello: Hello) -> None:
+    def __init__(self, conn: Connection, hello: NodeHello) -> None:
         self.conn = conn
         self.node = hello.node
         self.pid = hello.pid
@@ -230,7 +231,7 @@ class HelperStep:
                 elif isinstance(item, Connection):
                     hellos.remove(item)
                     hello = item.recv(timeout=10).message
-                    if isinstance(hello, Hello) and hello.node not in self.links:
+                    if isinstance(hello, NodeHello) and hello.node not in self.links:
                         self.links[hello.node] = HelperLink(item, hello)
                     else:
                         item.close()

@@ -23,17 +23,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from nbddp.clusters.nodes import NodeCore
-from nbddp.clusters.slurm.wire import (
+from nbddp.clusters.slurm.messages import (
     ADDRESS_VARIABLE,
     KEY_VARIABLE,
     NODES_VARIABLE,
     OUT_OF_BAND,
-    Hello,
     NodeCall,
+    NodeHello,
     NodeReply,
 )
 from nbddp.errors import NbddpError
-from nbddp.wire.transport import Connection, connect
+from nbddp.wire.frames import Connection
+from nbddp.wire.transport import connect
 
 CONCURRENCY = 16  # calls served side by side (polls, sends and stops of several runs)
 
@@ -85,7 +86,7 @@ def main() -> int:
     conn = connect(address, key)
     # the store listens where MASTER_ADDR points only (every address, for a node's name)
     core = NodeCore(own, store_host=own if _is_ipv4(own) else "")
-    conn.send(Hello(name, os.getpid()))
+    conn.send(NodeHello(name, os.getpid()))
     pool = ThreadPoolExecutor(CONCURRENCY, thread_name_prefix="nbddp-node-call")
     try:
         while True:

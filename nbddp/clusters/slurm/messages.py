@@ -13,7 +13,7 @@ KEY_VARIABLE = "NBDDP_HELPER_KEY"  # hex of the handshake's key (never on a comm
 NODES_VARIABLE = "NBDDP_HELPER_NODES"  # name=address,... : each node's address, as Slurm has it
 
 
-class Hello(NamedTuple):
+class NodeHello(NamedTuple):
     """Node -> kernel, first: which node this helper serves."""
 
     node: str
