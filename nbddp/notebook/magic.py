@@ -21,11 +21,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from nbddp.errors import NbddpError, WorkerError, ipython_lines
+from nbddp.errors import NbddpError, WorkerError
 from nbddp.exporting import export_cell
 from nbddp.launch import launch_plan
 from nbddp.notebook import cell as cells
 from nbddp.notebook import crossing
+from nbddp.notebook.cell_errors import CellFailed, CellSyntaxError, interrupted
 from nbddp.plan import (
     BACKENDS,
     DEVICE_OPTIONS,
@@ -40,50 +41,6 @@ from nbddp.plan import (
 from nbddp.worker.cell import CellOutcome, run_cell
 
 _counter = itertools.count(1)
-
-
-class _CellFailed(NbddpError):
-    """The in-kernel cell raised; IPython already showed its traceback, so show nothing more
-    (``_render_traceback_``), but still end the cell in error, as a normal cell would."""
-
-    def _render_traceback_(self) -> list[str]:
-        return []
-
-
-class _CellInterrupted(KeyboardInterrupt):
-    """A ``%%ddp`` cell's interrupt, shown without its frames: IPython's first one would echo
-    the whole cell, the others are nbddp's wait. Still a ``KeyboardInterrupt`` (so named)."""
-
-    def _render_traceback_(self) -> list[str]:
-        from IPython import get_ipython
-
-        return ipython_lines(get_ipython(), KeyboardInterrupt, self, None)
-
-
-_CellInterrupted.__name__ = _CellInterrupted.__qualname__ = "KeyboardInterrupt"
-
-
-def _interrupted(interrupt: KeyboardInterrupt) -> KeyboardInterrupt:
-    shown = _CellInterrupted(*interrupt.args)
-    shown.__dict__.update(vars(interrupt))  # e.g. the roll-call of a stalled run (stacks)
-    return shown
-
-
-class CellSyntaxError(NbddpError):
-    """The cell does not parse. Shown as IPython shows a cell's own syntax error (``Cell
-    In[n], line m``, the line and its caret), without IPython's and nbddp's frames, one of
-    which would echo the whole cell."""
-
-    def __init__(self, error: SyntaxError) -> None:
-        self.error = error
-        super().__init__(f"{type(error).__name__}: {error.msg} (line {error.lineno})")
-
-    def _render_traceback_(self) -> list[str]:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-        lines: list[str] = shell.SyntaxTB.structured_traceback(type(self.error), self.error, [])
-        return lines
 
 
 @magics_class
@@ -157,7 +114,7 @@ class DDPMagics(Magics):
             exc._local_frames = False
             raise
         except KeyboardInterrupt as interrupt:
-            raise _interrupted(interrupt) from None
+            raise interrupted(interrupt) from None
 
     def _ddp(self, line: str, cell: str) -> Any:
         __tracebackhide__ = True
@@ -233,12 +190,12 @@ class DDPMagics(Magics):
         def run_like_a_normal_cell() -> None:
             result = shell.run_cell(cell, store_history=False)
             if result.error_in_exec is not None or result.error_before_exec is not None:
-                raise _CellFailed("the cell raised")
+                raise CellFailed("the cell raised")
 
         try:
             launch_plan(run_like_a_normal_cell, (), {}, plan)
         except WorkerError as exc:
-            if isinstance(exc.__cause__, _CellFailed):
+            if isinstance(exc.__cause__, CellFailed):
                 raise exc.__cause__ from None
             raise
 
