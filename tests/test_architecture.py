@@ -247,6 +247,18 @@ def test_no_module_is_much_longer_than_a_screenful_or_two():
     assert not long, f"split these by job: {long}"
 
 
+def test_the_tests_mirror_the_package():
+    """A change's tests are found by its path: ``nbddp/<folder>/`` is tested in
+    ``tests/<folder>/``; a test file at the top of ``tests/`` is about a top-level module or the
+    whole package, never about a folder (``docs/`` tests the documentation site)."""
+    tests = Path(__file__).parent
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    subfolders = {d.name for d in tests.iterdir() if d.is_dir() and d.name[0] not in "._"}
+    assert not subfolders - folders - {"docs"}, "test folders that name no part of the package"
+    misplaced = [f.name for f in tests.glob("test_*.py") if f.stem[len("test_") :] in folders]
+    assert not misplaced, f"move these into the folder of the part they test: {misplaced}"
+
+
 def test_the_version_has_one_source():
     """``nbddp.__version__`` is the package's version: pyproject.toml reads it from there."""
     tomllib = pytest.importorskip("tomllib")
