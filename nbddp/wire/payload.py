@@ -262,12 +262,18 @@ def notebook_sources() -> dict[str, tuple[Any, ...]]:
     """Source lines of notebook cells, which live only in the kernel's linecache.
 
     Shipped so a worker's traceback shows the cell's lines, not bare line numbers.
-    IPython registers cells with an mtime of None, which keeps linecache from checking the disk.
+    IPython registers cells with an mtime of None, which keeps linecache from checking the disk;
+    older IPython (8.0 for one) gave them a time and kept them in ``linecache._ipython_cache``.
+    Either way they travel with an mtime of None, so the rank's linecache keeps them.
     """
-    return {
-        name: entry
+    cells = dict(getattr(linecache, "_ipython_cache", {}))
+    cells.update(
+        (name, entry)
         for name, entry in list(linecache.cache.items())
         if len(entry) == 4 and entry[1] is None
+    )
+    return {
+        name: (size, None, lines, fullname) for name, (size, _, lines, fullname) in cells.items()
     }
 
 

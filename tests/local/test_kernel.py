@@ -73,6 +73,10 @@ def test_a_rank_traceback_names_notebook_cells_and_shows_no_nbddp_frame(kernel):
         assert reply["status"] == "error" and reply["ename"] == "WorkerError", out
         assert f"Cell In[{train['execution_count']}], line 3, in train" in out, out
         assert f"Cell In[{helper['execution_count']}], line 2, in helper" in out
+        # each notebook frame with its source line, as IPython shows it (IPython 8.0 kept cells
+        # apart from linecache's mtime-None entries: without them these lines were bare)
+        assert "in train\n    return helper(0)\n" in out, out
+        assert "in helper\n    return 1 / x\n" in out, out
         if launch.startswith("%%ddp"):  # the cell's own frame, by the cell's line number
             assert f"Cell In[{reply['execution_count']}], line 3, in <module>" in out
             assert "run_cell_magic" not in out  # IPython's frame, echoing the whole cell
