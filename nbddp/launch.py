@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from nbddp import interrupts
 from nbddp.backend import Backend, Ranks
 from nbddp.local.in_kernel import InKernel, device_name
 from nbddp.local.ranks import local_ranks
@@ -94,6 +95,7 @@ def notebook_launch(
         nbddp.LaunchTimeout: The run took longer than ``timeout``.
     """
     __tracebackhide__ = True  # IPython: show the user's frames, not ours
+    interrupts.reached("planning")
     check_call(fn, args, kwargs)
     plan = make_plan(
         num_workers=num_workers,
@@ -247,6 +249,7 @@ def _backend_for(
     if plan.in_kernel:
         return InKernel(plan, fn, args, kwargs), device_name(plan)
     # on a cluster the engine carries the bytes; here a SerializationError before any process
+    interrupts.reached("pickling")
     call = dumps_call(fn, args, kwargs, names, segment=plan.cluster is None)
     try:
         ranks = ranks_for(plan, call)

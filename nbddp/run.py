@@ -94,6 +94,7 @@ class Run:
         # The ranks run from here on, and only the backend may say they ended: an interrupt
         # below must stop them first (finishing the run here used to leave them running).
         try:
+            interrupts.reached("watching")
             self._watch_for_stalls()
         except BaseException:
             self.stop_despite_interrupts()
@@ -261,6 +262,7 @@ class Run:
         with interrupts.deferred(), self._finish_lock:  # whole, or a later wait() would hang
             if self._outcome is not None:
                 return
+            interrupts.reached("finishing")
             for helper in (self._watch, self._timer):
                 if helper is not None:
                     helper.cancel()

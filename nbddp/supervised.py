@@ -53,6 +53,7 @@ class Supervised:
                     daemon=True,
                 )
                 supervisor.start()
+                interrupts.reached("supervising")
         except BaseException:
             if supervisor is not None and supervisor.is_alive():  # interrupted after the start
                 self.stop()
@@ -78,5 +79,6 @@ class Supervised:
         except BaseException as exc:  # a bug of ours must still end the run cleanly
             outcome = Outcome("failed", error=our_bug("supervisor", exc))
         finally:
+            interrupts.reached("tearing down")
             self._ranks.teardown()
             finish(outcome)

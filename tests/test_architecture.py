@@ -27,7 +27,7 @@ ALLOWED = {
     "backend": {"wire"},
     "diagnosis": {"wire", "errors"},
     "display": {"backend", "diagnosis", "wire", "errors"},
-    "rules": {"backend", "display", "wire", "errors"},
+    "rules": {"backend", "display", "interrupts", "wire", "errors"},
     "plan": {"clusters", "environment", "wire", "errors"},
     "run": {"backend", "diagnosis", "display", "interrupts", "plan", "wire", "errors"},
     "local": {
@@ -56,6 +56,7 @@ ALLOWED = {
     "launch": {
         "backend",
         "clusters",
+        "interrupts",
         "local",
         "plan",
         "run",

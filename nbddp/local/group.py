@@ -145,6 +145,7 @@ class RankGroup:
         """Wait for the warm helper (interruptibly: nothing is open yet), then, with interrupts
         held back, open the store, write the spec and the script and start every rank.
         Cleans up if anything fails."""
+        interrupts.reached("waiting for the helper")
         self._starter.warm_up()
         with interrupts.deferred():  # an interrupt lands after the whole start (or cleanup)
             try:
@@ -166,6 +167,7 @@ class RankGroup:
         self._pump = OutputPump(self._output, self._target)
         self._sources = payload.notebook_sources()
         self._started_at = time.time()
+        interrupts.reached("starting the ranks")
         for rank in self.ranks:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
@@ -269,6 +271,8 @@ class RankGroup:
         if rank not in self._workers or rank in self._sent_job or self._call is None:
             self._channels.forget(conn)
             return
+        if not self._sent_job:
+            interrupts.reached("handing out the job")
         self._channels.speaks_for(conn, rank)
         call = self._call
         store = self._store if rank == 0 else None

@@ -248,6 +248,7 @@ class InKernel:
             # A blocking call owns the cell: its prints go to the panel, like a rank's would.
             panel = events.output if plan.block else None
             redirect = _redirected(panel) if panel is not None else contextlib.nullcontext()
+            interrupts.reached("joining the process group")
             with single_rank_world(plan, fn), redirect:
                 with self._lock:
                     if self._reason is not None:
@@ -255,6 +256,7 @@ class InKernel:
                     self._phase = "calling"
                 events.started()
                 try:
+                    interrupts.reached("running fn")
                     value = fn(*args, **kwargs)
                 finally:
                     with self._lock:
@@ -281,6 +283,7 @@ class InKernel:
             outcome = Outcome("failed", error=error)
         finally:
             with interrupts.deferred():
+                interrupts.reached("tearing down")
                 if buffer is not None:
                     buffer.close()  # every row reaches the state before the outcome
                     live.install(previous_buffer)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from nbddp import interrupts
 from nbddp.backend import Outcome, RunEvents
 from nbddp.errors import LaunchTimeout
 from nbddp.errors.render import describe_exit
@@ -93,9 +94,12 @@ class Referee(Judging):
                 self._joined.add(rank)
                 if len(self._joined) == self.world_size:
                     self._broadcast(AllJoined())
+                    interrupts.reached("running fn")
             case Trained(check=check):
                 self.tracker.trained(rank, check)
+                interrupts.reached("sending the result")
             case Result(stream=stream, early_exit=early):
+                interrupts.reached("exit work")
                 self.tracker.result(rank, stream, buffers, early)
                 self._finishing[rank] = self._clock()
                 self._events.finishing(frozenset(self._finishing))
@@ -119,6 +123,7 @@ class Referee(Judging):
     def _started(self) -> None:
         self._groups_to_start -= 1
         if self._groups_to_start == 0:
+            interrupts.reached("joining the process group")
             self._events.started()
 
     def deadline(self) -> float | None:
