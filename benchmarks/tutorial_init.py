@@ -98,12 +98,18 @@ def main() -> None:
     print("## Issue #25: a tutorial's own init_process_group\n")
     print(f"2 CPU ranks (gloo), {os.cpu_count()} cores; milliseconds.\n")
     print("| what | n | p50 | p90 | p99 | max |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    print(f"| `init_process_group` answered (same world) | {len(fast)} | {percentiles(fast)} |")
-    print(f"| `init_process_group` after destroy (new group) | {len(slow)} | {percentiles(slow)} |")
-    print(f"| launch: DDP step, no setup | {len(plain)} | {percentiles(plain)} |")
-    row = "`nbddp.spawn(demo_basic)`: same + setup/cleanup"
-    print(f"| {row} | {len(tutorial)} | {percentiles(tutorial)} |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    rows = [
+        ("`init_process_group` answered (same world: the existing group)", fast),
+        (
+            "`init_process_group` after the tutorial's destroy (a new gloo group on nbddp's store)",
+            slow,
+        ),
+        ("launch: one DDP step, no setup", plain),
+        ("`nbddp.spawn(demo_basic)`: the same step + the tutorial's setup/cleanup", tutorial),
+    ]
+    for what, values in rows:
+        print(f"| {what} | {len(values)} | {percentiles(values)} |")
 
 
 if __name__ == "__main__":
