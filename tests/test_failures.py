@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from conftest import TWO_CPU, running
+from conftest import TWO_CPU, running, wait_until
 
 import nbddp
 from nbddp import LaunchTimeout, RunStopped, SerializationError, WorkerError
@@ -182,12 +182,18 @@ def _resources() -> tuple[int, int, int]:
 @pytest.mark.slow
 def test_twenty_launches_do_not_leak_fds_threads_or_processes():
     nbddp.notebook_launch(int, **TWO_CPU)
-    time.sleep(0.2)
+    assert wait_until(lambda: not _launch_threads(), 10), _launch_threads()
     baseline = _resources()
     for _ in range(20):
         assert nbddp.notebook_launch(abs, (-3,), **TWO_CPU) == 3
-    time.sleep(0.2)
-    assert _resources() == baseline
+    # a launch's own threads may take a moment to end after it returned (a cancelled timer)
+    assert wait_until(lambda: _resources() == baseline, 10), (_resources(), baseline)
+
+
+def _launch_threads() -> list[str]:
+    """The threads of a launch still ending (all but the warm helper's, which stays)."""
+    names = [t.name for t in threading.enumerate()]
+    return [n for n in names if n.startswith("nbddp-") and n != "nbddp-helper"]
 
 
 # -- what users cause (issue: reliability) -------------------------------------------------

@@ -281,10 +281,14 @@ def test_the_panel_shows_the_banner_and_keeps_it_in_the_summary(kernel):
     messages, reply = kernel.run_seeing_everything(
         "run = nbddp.notebook_launch(stalls_quietly, num_workers=2, device='cpu', "
         "block=False, stall_after=1.5)\n"
-        "deadline = time.time() + 60\n"
-        "while run._watch.stalled is None and time.time() < deadline:\n"
-        "    time.sleep(0.2)\n"
-        "time.sleep(0.5)\n"
+        "import threading\n"  # the panel's own drawing tells when it showed the banner
+        "drawn, render = threading.Event(), run._display._view.render\n"
+        "def spied(snapshot):\n"
+        "    render(snapshot)\n"
+        "    if snapshot.stalled_since is not None:\n"
+        "        drawn.set()\n"
+        "run._display._view.render = spied\n"
+        "assert drawn.wait(60), 'the panel never drew the stall banner'\n"
         "run.stop()\n",
         timeout=90,
     )

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from conftest import is_warm_helper, running
+from conftest import is_warm_helper, running, wait_until
 
 from nbddp.local import rundir
 
@@ -140,21 +140,27 @@ def test_a_notebook_dataset_in_dataloader_workers_of_any_start_method(kernel, co
     assert "[(['Pair', 'Pair'], 140), (['Pair', 'Pair'], 140)]" in out, out
 
 
-def test_workers_end_themselves_when_the_kernel_is_killed(kernel_factory):
+def test_workers_end_themselves_when_the_kernel_is_killed(kernel_factory, tmp_path):
     doomed = kernel_factory()
     try:
-        doomed.run("import nbddp, time")
+        doomed.run("import nbddp, os, time")
         out, reply = doomed.run(
-            "def wait_forever():\n    time.sleep(600)\n"
-            "run = nbddp.notebook_launch(wait_forever, num_workers=2, device='cpu', block=False)\n"
+            "def wait_forever(directory):\n"
+            "    path = os.path.join(directory, str(nbddp.rank()))\n"
+            "    with open(path + '.part', 'w') as f:\n"
+            "        f.write(str(os.getpid()))\n"
+            "    os.rename(path + '.part', path)  # whole when it appears\n"
+            "    time.sleep(600)\n"
+            f"run = nbddp.notebook_launch(wait_forever, ({str(tmp_path)!r},), num_workers=2,\n"
+            "                           device='cpu', block=False)\n"
         )
         assert reply["status"] == "ok", out
-        deadline = time.monotonic() + 60
-        workers: list[int] = []
-        while len(workers) < 2 and time.monotonic() < deadline:
-            workers = [p.pid for p in psutil.Process(doomed.pid).children(recursive=True)]
-            time.sleep(0.1)
-        time.sleep(5)  # let them connect to the kernel's channel (import torch first)
+        # in fn: each rank got its job over the kernel's channel, and holds it open
+        pids = [tmp_path / "0", tmp_path / "1"]
+        assert wait_until(lambda: all(p.exists() for p in pids), 120), os.listdir(tmp_path)
+        ranks = [int(p.read_text()) for p in pids]
+        workers = [p.pid for p in psutil.Process(doomed.pid).children(recursive=True)]
+        assert set(ranks) <= set(workers), (ranks, workers)
         assert run_status(doomed) == "running"
         doomed.manager.signal_kernel(signal.SIGKILL)
         assert _wait_gone(workers, timeout=10) == []

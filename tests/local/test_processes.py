@@ -127,7 +127,7 @@ def test_an_orphan_of_a_killed_rank_is_found_by_the_run_id():
 
 
 DOUBLE_FORK = """\
-import os, subprocess, sys, time
+import os, subprocess, sys
 from nbddp.worker.reaping import become_subreaper, end_descendants
 become_subreaper()
 if os.fork() == 0:  # an intermediate that starts a daemon in a new session, then exits
@@ -135,8 +135,7 @@ if os.fork() == 0:  # an intermediate that starts a daemon in a new session, the
     daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     print(daemon.pid, flush=True)
     os._exit(0)
-os.wait()
-time.sleep(0.2)
+os.wait()  # the intermediate is gone: the daemon is this subreaper's child from its exit on
 end_descendants()
 print("ended", flush=True)
 """

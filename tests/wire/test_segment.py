@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import TWO_CPU_QUIET
+from conftest import TWO_CPU_QUIET, wait_until
 from torch.utils.data import TensorDataset
 
 import nbddp
@@ -273,16 +273,22 @@ def _reads_then_sleeps() -> None:
     time.sleep(60)
 
 
-def test_the_segment_is_gone_when_the_kernel_is_killed(kernel_factory):
+def test_the_segment_is_gone_when_the_kernel_is_killed(kernel_factory, tmp_path):
     doomed = kernel_factory()
     try:
         out, reply = doomed.run(
             "import nbddp, numpy, torch, time\n"
             "data, array = torch.ones(10_000_000), numpy.ones(10_000_000)\n"
-            "def hold():\n    float(data.sum()), float(array.sum()); time.sleep(600)\n"
-            "run = nbddp.notebook_launch(hold, num_workers=2, device='cpu', block=False)\n"
-            "time.sleep(3); print(run.status)"
+            "def hold(directory):\n"
+            "    float(data.sum()), float(array.sum())\n"
+            "    open(f'{directory}/{nbddp.rank()}', 'w').close()  # it holds both now\n"
+            "    time.sleep(600)\n"
+            f"run = nbddp.notebook_launch(hold, ({str(tmp_path)!r},), num_workers=2,\n"
+            "                           device='cpu', block=False)\n"
         )
+        assert reply["status"] == "ok", out
+        assert wait_until(lambda: len(os.listdir(tmp_path)) == 2, 120), "the ranks never read"
+        out, reply = doomed.run("print(run.status)")
         assert reply["status"] == "ok" and "running" in out, out
         in_place = f"/dev/shm/torch_{doomed.pid}_"  # the tensor's storage, shared in place
         assert holders_of_segments() and len(holders_of_segments(in_place)) == 3  # + the ranks

@@ -24,15 +24,18 @@ LEGACY = catalyst.__version__.startswith("21.")
 def train(ddp: bool, logdir: str, explicit: bool = False, rank1_empties_logdir: bool = False):
     """Catalyst's minimal SupervisedRunner example on data every rank sees whole."""
     import shutil
-    import time
 
     import torch
     from catalyst import dl
     from torch.utils.data import DataLoader, TensorDataset
 
-    if rank1_empties_logdir and nbddp.rank() == 1:  # Sapsan's check_logdir(), late on rank 1
-        time.sleep(1.0)
-        shutil.rmtree(logdir, ignore_errors=True)
+    if rank1_empties_logdir:  # Sapsan's check_logdir(), on rank 1 once rank 0 went ahead
+        rank_0_ahead = logdir + ".rank-0-waits"
+        if nbddp.rank() == 0:
+            _mark_the_first_barrier(rank_0_ahead)
+        else:
+            _wait_for_rank_0_to_go_ahead(logdir, rank_0_ahead)
+            shutil.rmtree(logdir, ignore_errors=True)
     torch.manual_seed(0)
     x = torch.randn(64, 4)
     y = x.sum(1, keepdim=True)
@@ -60,6 +63,32 @@ def train(ddp: bool, logdir: str, explicit: bool = False, rank1_empties_logdir: 
         "port": os.environ["MASTER_PORT"],
         "engine": type(runner.engine).__name__,
     }
+
+
+def _mark_the_first_barrier(marker: str) -> None:
+    """Rank 0 makes ``marker`` as it first waits for the other ranks (nbddp's meeting before
+    Catalyst's run)."""
+    import torch.distributed as dist
+
+    barrier = dist.barrier
+
+    def marked(*args, **kwargs):
+        dist.barrier = barrier
+        open(marker, "w").close()
+        return barrier(*args, **kwargs)
+
+    dist.barrier = marked
+
+
+def _wait_for_rank_0_to_go_ahead(logdir: str, marker: str) -> None:
+    """Until rank 0 waits for this rank (nbddp's meeting) or, without one, has written its logs
+    (the first of its files beside the stale one): then emptying the directory is "late"."""
+    import time
+
+    deadline = time.monotonic() + 120
+    while not os.path.exists(marker) and set(os.listdir(logdir)) <= {"stale"}:
+        assert time.monotonic() < deadline, "rank 0 neither waited nor wrote"
+        time.sleep(0.01)
 
 
 def launch(*args, **kwargs):
