@@ -4,6 +4,12 @@ by a veth pair on 10.200.0.0/24, a Ray node started in each, the kernel in the f
 ``MASTER_ADDR`` (node rank 0's address, whichever host that is) and of the interface gloo uses
 (``GLOO_SOCKET_IFNAME``): without it gloo advertises the hostname's address and fails.
 
+Each node is waited for until it says "Ray runtime started." (``ray start`` prints it once the
+node's raylet is registered in the GCS): a kernel that called ``ray.init`` before its own node
+had registered spun in Ray's lookup of the local node (``get_node_to_connect_for_driver``, a
+loop without a pause, 60 s) and, on a loaded machine, failed with "Failed to connect to Ray
+cluster" (it used to wait only for the head's port).
+
 Needs root (network namespaces); skipped loudly without it. Every packet stays inside the two
 namespaces this test makes: their only interfaces are ``lo`` and the veth pair, with no route
 anywhere else."""
@@ -17,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,18 +96,16 @@ def ray_on_two_hosts(two_hosts, tmp_path_factory) -> Iterator[str]:
     try:
         for host, options in nodes.items():
             with open(logs / f"{host}.log", "w") as log:
-                started.append(
-                    subprocess.Popen(
-                        _in(host, [RAY, "start", *options, *common]),
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
+                process = subprocess.Popen(
+                    _in(host, [RAY, "start", *options, *common]),
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
-            if host == "a":
-                _wait_for_port("a", HOSTS["a"], 6379)  # the head is up: the other may join
-        yield head  # the kernel waits for both nodes to be alive
+            started.append(process)
+            _wait_for_node(process, logs / f"{host}.log")  # the head first: then b may join
+        yield head
     finally:
         for process in started:  # every process of both nodes, whatever it became
             try:
@@ -113,29 +118,23 @@ def ray_on_two_hosts(two_hosts, tmp_path_factory) -> Iterator[str]:
             process.wait()
 
 
-def _wait_for_port(host: str, address: str, port: int, seconds: float = 90) -> None:
-    probe = (
-        "import socket, time\n"
-        f"end = time.time() + {seconds}\n"
-        "while time.time() < end:\n"
-        "    try:\n"
-        f"        socket.create_connection(({address!r}, {port}), 1).close()\n"
-        "        break\n"
-        "    except OSError:\n"
-        "        time.sleep(0.3)\n"
-        "else:\n"
-        "    raise SystemExit('not up')\n"
-    )
-    subprocess.run(_in(host, [sys.executable, "-c", probe]), check=True, timeout=seconds + 10)
+def _wait_for_node(process: subprocess.Popen, log: Path, seconds: float = 180) -> None:
+    """Until ``ray start`` says its node runs (its raylet registered in the GCS)."""
+    deadline = time.monotonic() + seconds
+    while "Ray runtime started." not in log.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"a Ray node did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
 
 
 KERNEL = """
 import json, os, sys, time
 import ray, nbddp
+started = time.monotonic()
 ray.init(address=sys.argv[1], log_to_driver=False, _node_ip_address=sys.argv[2])
-deadline = time.monotonic() + 60
-while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.monotonic() < deadline:
-    time.sleep(0.5)
+joined = time.monotonic()
+alive = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+assert len(alive) == 2, f"the test started both nodes, yet Ray has {alive}"
 
 def where():
     import torch, torch.distributed as dist
@@ -146,10 +145,13 @@ def where():
 
 ranks = nbddp.notebook_launch(where, cluster="ray", device="cpu", display="none",
                               return_all=True)
-print("RESULT " + json.dumps({"ranks": ranks, "nodes": list(nbddp.last_run().nodes)}))
+took = {"ray.init": joined - started, "launch": time.monotonic() - joined}
+print("RESULT " + json.dumps({"ranks": ranks, "nodes": list(nbddp.last_run().nodes),
+                              "took": took}))
 """
 
 
+@pytest.mark.timeout(420)  # two Ray nodes, then a first launch (each node's helper imports torch)
 def test_ranks_on_two_hosts_find_each_other(ray_on_two_hosts):
     done = subprocess.run(
         _in("a", [sys.executable, "-c", KERNEL, ray_on_two_hosts, HOSTS["a"]]),
@@ -161,6 +163,7 @@ def test_ranks_on_two_hosts_find_each_other(ray_on_two_hosts):
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(line[len("RESULT ") :])
+    print("seconds taken:", result["took"])
     nodes = result["nodes"]
     assert sorted(nodes) == sorted(HOSTS.values())  # node rank 0 may be either host
     for rank, facts in enumerate(result["ranks"]):
