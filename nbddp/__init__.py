@@ -6,7 +6,7 @@ Kernel side: :func:`notebook_launch`, :func:`spawn` (``mp.spawn``'s shape), :cla
 Worker side (inside the launched function; each also works outside a launch as rank 0 of 1):
 :func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
 :func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`,
-:func:`log`, :func:`progress`.
+:func:`log`, :func:`progress`, :func:`breakpoint` (pdb on one rank, the others held).
 
 The kernel-side names are imported on first use, so a rank (or a script that only asks
 ``nbddp.rank()``) never loads the launcher, the display or IPython.
@@ -26,6 +26,7 @@ from nbddp.errors import (
     WorkerError,
 )
 from nbddp.worker.context import barrier, device, is_main, local_rank, print, rank, world_size
+from nbddp.worker.debugger import breakpoint
 from nbddp.worker.live import log, progress
 from nbddp.worker.prepare import prepare_loader, prepare_model, unwrap
 
@@ -42,6 +43,7 @@ __all__ = [
     "Stacks",
     "WorkerError",
     "barrier",
+    "breakpoint",
     "device",
     "export",
     "is_main",

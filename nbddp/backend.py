@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 from nbddp.wire.call import Call
 from nbddp.wire.messages import BarSnapshot, Block, Display, Output, RankEvent, Task
+from nbddp.wire.prompts import LeftPdb, Prompt, Release, Reply
 from nbddp.wire.stacks import AskStacks, StackReport
 
 V = TypeVar("V", covariant=True)  # what a judge decides: a launch's Outcome, a session's code
@@ -84,6 +85,12 @@ class RunEvents(Protocol):
     def stacks(self, rank: int, query: int, report: StackReport) -> None:
         """A rank's answer to the roll-call ``query`` (``Backend.ask``)."""
 
+    def prompt(self, rank: int, prompt: Prompt) -> None:
+        """A rank waits for a line typed in the notebook (pdb's prompt, ``input()``)."""
+
+    def left_pdb(self, rank: int, left: LeftPdb | None) -> None:
+        """A rank left pdb (None: it ended); the ranks it held may go on (``Backend.tell``)."""
+
 
 Finish = Callable[[Outcome], None]
 
@@ -105,6 +112,10 @@ class Backend(Protocol):
 
     def ask(self, message: AskStacks) -> None:
         """Send a roll-call to every rank; each answers through ``RunEvents.stacks``."""
+
+    def tell(self, message: Reply | Release) -> None:
+        """Send to every rank that runs (a reply to a rank's prompt; a release of the ranks
+        held at ``nbddp.breakpoint()``)."""
 
 
 class Ranks(Protocol):

@@ -38,6 +38,7 @@ def notebook_launch(
     nodes: int | str = "auto",
     workers_per_node: int | str = "auto",
     stall_after: float | None = STALL_AFTER,
+    debug: bool = False,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank of a DDP job started from the notebook.
 
@@ -83,6 +84,11 @@ def notebook_launch(
             before the panel shows where each rank is; None turns the banner off. Nothing is
             killed.
 
+        debug: True: an uncaught exception on a rank opens post-mortem pdb at the frame that
+            raised, in the notebook's input box, the other ranks held, before the run fails as
+            usual. (``breakpoint()`` on a rank opens pdb there in any case;
+            [nbddp.breakpoint][] stops one rank and holds the others.)
+
     Returns:
         Rank 0's return value, with tensors on the CPU and DDP wrappers unwrapped (a list of
             every rank's with ``return_all=True``; the [nbddp.Run][] with ``block=False``).
@@ -112,6 +118,7 @@ def notebook_launch(
         nodes=nodes,
         workers_per_node=workers_per_node,
         stall_after=stall_after,
+        debug=debug,
     )
     return launch_plan(fn, tuple(args), dict(kwargs or {}), plan)
 

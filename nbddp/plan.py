@@ -56,6 +56,7 @@ class LaunchPlan:
     workers_per_node: int = 0  # on one machine: world_size
     exit_timeout: float = EXIT_TIMEOUT  # a rank's exit work's bound (NBDDP_EXIT_TIMEOUT)
     stall_after: float | None = STALL_AFTER  # seconds without progress before the banner
+    debug: bool = False  # an uncaught exception on a rank opens post-mortem pdb first
 
     @property
     def in_kernel(self) -> bool:
@@ -108,6 +109,7 @@ def make_plan(
     nodes: int | str = "auto",
     workers_per_node: int | str = "auto",
     stall_after: float | None = STALL_AFTER,
+    debug: bool = False,
     gpu_count: int | None = None,
 ) -> LaunchPlan:
     """Validate and resolve the launch options. ``gpu_count`` overrides detection (tests)."""
@@ -155,7 +157,7 @@ def make_plan(
             "Pass backend='gloo' to share a GPU (a testing aid for single-GPU machines)."
         )
 
-    _check_run_options(timeout, display, output, return_all, block)
+    _check_run_options(timeout, display, output, return_all, block, debug)
     stall = check_stall_after(stall_after)
     return LaunchPlan(
         world_size=workers,
@@ -173,6 +175,7 @@ def make_plan(
         workers_per_node=per_node,
         exit_timeout=exit_timeout(),
         stall_after=stall,
+        debug=debug,
     )
 
 
@@ -205,9 +208,10 @@ def with_run_options(
     return_all: bool,
     block: bool,
     stall_after: float | None = STALL_AFTER,
+    debug: bool = False,
 ) -> LaunchPlan:
     """``plan`` (where the ranks run) with one run's own options, checked (a session's)."""
-    _check_run_options(timeout, display, output, return_all, block)
+    _check_run_options(timeout, display, output, return_all, block, debug)
     stall = check_stall_after(stall_after)
     return dataclasses.replace(
         plan,
@@ -217,11 +221,12 @@ def with_run_options(
         return_all=return_all,
         block=block,
         stall_after=stall,
+        debug=debug,
     )
 
 
 def _check_run_options(
-    timeout: Any, display: Any, output: Any, return_all: Any, block: Any
+    timeout: Any, display: Any, output: Any, return_all: Any, block: Any, debug: Any = False
 ) -> None:
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -232,7 +237,7 @@ def _check_run_options(
         raise ValueError(f"display={display!r} is not one of {_choices(DISPLAYS)}.")
     if output not in OUTPUTS:
         raise ValueError(f"output={output!r} is not one of {_choices(OUTPUTS)}.")
-    for name, value in (("return_all", return_all), ("block", block)):
+    for name, value in (("return_all", return_all), ("block", block), ("debug", debug)):
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be True or False.")
 
@@ -346,4 +351,5 @@ def job_spec(
         logging=notebook_logging(),
         session=session,
         exit_timeout=plan.exit_timeout,
+        debug=plan.debug,
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 from nbddp import interrupts
 from nbddp.backend import Backend, Outcome, Status
+from nbddp.diagnosis import input_box
 from nbddp.diagnosis.stacks import Stacks
 from nbddp.diagnosis.stall import StallWatch
 from nbddp.display import LiveDisplay
@@ -61,6 +62,8 @@ class Run:
         )
         if plan.output != "none":  # the ranks' display() and figures, in this cell
             self._state.rich = RichOutputs(plan.output)
+        self._prompts = self._state.prompts  # the ranks' pdb and input(): the input box
+        self._prompts.send = backend.tell
         self._display: LiveDisplay | None = None
         self._outcome: Outcome | None = None
         self._unwarned: tuple[str, ...] = ()  # the outcome's warnings, until result() warns
@@ -76,6 +79,7 @@ class Run:
     def start(self) -> None:
         """Show the live view and start the backend; raises if the ranks cannot start."""
         plan = self._plan
+        self._prompts.missing = input_box.missing()  # this cell's: papermill has none
         try:
             if plan.display != "none":
                 with interrupts.deferred():  # a display thread is closed by _finish, never lost
@@ -107,7 +111,7 @@ class Run:
             return
         if plan.stall_after is not None:
             self._watch = StallWatch(
-                plan.stall_after, lambda: self._state.last_progress, self._ask, self._show_stall
+                plan.stall_after, lambda: self._state.progress_mark, self._ask, self._show_stall
             )
         if plan.timeout is not None:
             lead = min(TIMEOUT_LEAD, plan.timeout / 2)
@@ -217,14 +221,18 @@ class Run:
             interrupt.stacks = self.stacks_at_stop  # type: ignore[attr-defined]
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the run ended or ``timeout`` seconds passed; True if it ended."""
-        return self._done.wait(timeout)
+        """Block until the run ended or ``timeout`` seconds passed; True if it ended.
+        Meanwhile a rank's pdb prompt (or ``input()``) is asked in this cell's input box."""
+        __tracebackhide__ = True  # IPython: show the user's frames, not ours
+        ended = self._prompts.serve(self._done, timeout)
+        self._prompts.take_warnings()
+        return ended
 
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's return value (every rank's with ``return_all``), or raise the run's error
         ([nbddp.RunStopped][] for a stopped run)."""
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
-        if not self._done.wait(timeout):
+        if not self.wait(timeout):
             raise TimeoutError(
                 f"the run is still going after waiting {timeout:g} s; call result() again "
                 "to keep waiting, or stop() to end it."
@@ -268,6 +276,7 @@ class Run:
                     helper.cancel()
             if isinstance(outcome.error, LaunchTimeout):
                 outcome.error.stacks = self._last_stacks
+            self._prompts.close()  # a question still in the input box has no one to go to
             try:
                 self._state.finish(outcome.status, outcome.error, outcome.warning)
                 if self._display is not None:  # the final panel is drawn before anyone is told

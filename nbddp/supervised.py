@@ -13,6 +13,7 @@ Non-goal: sockets and processes (``local/``, ``clusters/``), and the rules (``ru
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from nbddp import interrupts
 from nbddp.backend import Finish, Outcome, Ranks, RunEvents
@@ -65,6 +66,11 @@ class Supervised:
 
     def ask(self, message: AskStacks) -> None:
         """A roll-call: every rank answers, and a rank that cannot is dumped by a signal."""
+        self._ranks.send_all(message)
+
+    def tell(self, message: Any) -> None:
+        """A reply to a rank's prompt, or a release of held ranks: to every rank (on a
+        cluster, over each node's stream)."""
         self._ranks.send_all(message)
 
     def stop(self) -> None:

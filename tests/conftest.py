@@ -216,6 +216,64 @@ class Kernel:
         reply = self.client.execute_interactive(code, timeout=timeout, output_hook=collect)
         return "".join(chunks), reply["content"]
 
+    def run_answering(
+        self,
+        code: str,
+        answer: Callable[[str], str | None],
+        timeout: float = 120,
+        allow_stdin: bool = True,
+        messages: list[dict] | None = None,
+    ) -> tuple[str, dict]:
+        """Execute a cell as a person at the notebook does: each ``input_request`` (the input
+        box) is answered with ``answer(prompt)``; None leaves the box unanswered.
+        ``allow_stdin=False``: a client without an input box (papermill, nbconvert)."""
+        chunks: list[str] = []
+
+        def collect(msg: dict) -> None:
+            if messages is not None:
+                messages.append(msg)
+            content = msg["content"]
+            if msg["msg_type"] == "stream":
+                chunks.append(content["text"])
+            elif msg["msg_type"] in ("execute_result", "display_data", "update_display_data"):
+                data = content["data"]
+                chunks.append(data.get("text/html", data.get("text/plain", "")) + "\n")
+            elif msg["msg_type"] == "error":
+                chunks.append("\n".join(content["traceback"]))
+
+        def typed(msg: dict) -> None:
+            line = answer(msg["content"]["prompt"])
+            if line is not None:
+                self.client.input(line)
+
+        self._collect = collect
+        try:
+            reply = self.client.execute_interactive(
+                code,
+                timeout=timeout,
+                output_hook=collect,
+                allow_stdin=allow_stdin,
+                stdin_hook=typed,
+            )
+        finally:
+            del self._collect
+        return "".join(chunks), reply["content"]
+
+    def watch(self, until: Callable[[], bool], timeout: float = 30) -> bool:
+        """Inside an ``answer`` of :meth:`run_answering`: take in the cell's output (as the
+        page shows it meanwhile) until ``until()`` holds; False if ``timeout`` passed first."""
+        import queue
+
+        deadline = time.monotonic() + timeout
+        while not until():
+            if time.monotonic() > deadline:
+                return False
+            try:
+                self._collect(self.client.get_iopub_msg(timeout=0.05))
+            except queue.Empty:
+                continue
+        return True
+
     def run_seeing_everything(self, code: str, timeout: float = 60) -> tuple[list[dict], dict]:
         """Execute a cell; return every iopub message that arrived meanwhile, whichever cell
         it belongs to (ipykernel 7 files a background thread's output, such as a background

@@ -278,7 +278,7 @@ EXTRA = {"Run", "RunStopped", "NbddpWarning"}  # the handle, the other error and
 # that building it forces this list to shrink.
 # Contract names whose issue has not landed yet (each must really be missing: the test says when
 # one is built): "Stopping well" (#32), "Debugging a rank" (#33), "Detached runs" (#34).
-PENDING: set[str] = {"stopping", "checkpoint", "restore", "breakpoint", "runs", "attach", "RunInfo"}
+PENDING: set[str] = {"stopping", "checkpoint", "restore", "runs", "attach", "RunInfo"}
 
 
 def contract_names() -> set[str]:

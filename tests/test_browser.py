@@ -330,3 +330,44 @@ def test_the_stall_banner_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
         assert "ranks 0, 2 wait in all_reduce" in banner and "Cell In[1], line 8" in banner
         _screenshot(page, jupyterlab[1], "stall-banner.png")
         page.wait_for_selector(".nbddp-summary .nbddp-stall", timeout=90_000)
+
+
+PDB_CELL = """\
+import nbddp
+
+def train():
+    loss = 0.25 * (nbddp.rank() + 1)
+    if nbddp.rank() == 1:
+        breakpoint()
+    return loss
+
+nbddp.notebook_launch(train, num_workers=2, device="cpu")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # a fresh kernel's first launch (cold helper) on a loaded machine
+def test_a_ranks_pdb_prompt_is_the_notebooks_input_box(jupyterlab: tuple[str, Path]) -> None:
+    """breakpoint() on rank 1: JupyterLab's own input box asks ``(Pdb rank 1)``; what is typed
+    there runs in rank 1's pdb, and ``c`` lets the run finish."""
+    (jupyterlab[1] / "pdb.ipynb").write_text(_notebook(PDB_CELL))
+    with _running(jupyterlab, "pdb.ipynb") as page:
+        box = page.wait_for_selector(".jp-Stdin-input", timeout=90_000)
+        assert "(Pdb rank 1)" in page.inner_text(".jp-Stdin-prompt")
+        assert "rank 1 in pdb" in page.inner_text(".nbddp-panel")
+        box.fill("p loss")
+        box.press("Enter")
+        page.wait_for_selector(".jp-OutputArea-output >> text=0.5", timeout=30_000)
+        page.wait_for_selector(".jp-Stdin-input", timeout=30_000)  # the next prompt
+        page.locator(".jp-OutputArea-output").first.hover()  # no cursor in the picture
+        _screenshot(page, jupyterlab[1], "pdb-prompt.png")
+        page.fill(".jp-Stdin-input", "c")
+        page.press(".jp-Stdin-input", "Enter")
+        try:
+            page.wait_for_selector(".nbddp-summary", timeout=60_000)
+        except Exception:
+            page.screenshot(path=str(jupyterlab[1] / "pdb-failed.png"))
+            print(page.inner_text(".jp-Cell-outputArea"))
+            raise
+        assert "done" in page.inner_text(".nbddp-summary")
+        assert page.locator(".jp-Stdin-input").count() == 0

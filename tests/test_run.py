@@ -26,6 +26,7 @@ class FakeBackend:
         self.finish: Finish | None = None
         self.events: RunEvents | None = None
         self.stops = 0
+        self.told: list[Any] = []  # replies to the ranks' prompts
         self._fail_start = fail_start
 
     def start(self, events: RunEvents, finish: Finish) -> None:
@@ -37,6 +38,9 @@ class FakeBackend:
         self.stops += 1
         assert self.finish is not None
         self.finish(Outcome("stopped"))
+
+    def tell(self, message: Any) -> None:
+        self.told.append(message)
 
 
 def started(backend: FakeBackend) -> Run:

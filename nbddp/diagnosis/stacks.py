@@ -94,6 +94,9 @@ def place_of(report: StackReport) -> CodePlace | None:
     main = next((t for t in report.threads if t.main), None)
     if main is None or not main.frames:
         return None
+    debugging = _debugging(main.frames)
+    if debugging is not None:
+        return debugging
     frames = _after_own(main.frames)
     index = max((i for i, f in enumerate(frames) if _is_user(f)), default=None)
     if index is None:  # nbddp's own code (starting, between steps), or what it called
@@ -111,6 +114,26 @@ def place_of(report: StackReport) -> CodePlace | None:
     if inner:
         return CodePlace(location(user), f"{inner[0].function}()", None)
     return CodePlace(location(user), source_line(user) or f"{user.function}()", None)
+
+
+_ASKING = tuple(os.sep + os.path.join("worker", name) for name in ("rank_pdb.py", "asking.py"))
+_BREAKPOINT = os.sep + os.path.join("worker", "debugger.py")  # nbddp.breakpoint(), post-mortem
+
+
+def _debugging(frames: tuple[StackFrame, ...]) -> Place | None:
+    """A rank stopped in pdb, waiting in ``input()`` or held at ``nbddp.breakpoint()``, at the
+    user's line that got it there (the roll-call's words for it)."""
+    first = next((i for i, f in enumerate(frames) if f.own and f.filename.endswith(_ASKING)), None)
+    if first is None:
+        return None
+    waits = "input()"
+    if any(f.filename.endswith(_ASKING[0]) for f in frames[first:]):
+        waits = "pdb"
+    elif any(f.function == "wait_release" for f in frames[first:]):
+        waits = "nbddp.breakpoint() (held until the debugged rank continues)"
+    called = [f for f in frames[:first] if not f.filename.endswith(_BREAKPOINT)]
+    user = [f for f in _after_own(tuple(called)) if _is_user(f)]
+    return Place(location(user[-1]) if user else "its failing frame (post-mortem)", waits, None)
 
 
 def _after_own(frames: tuple[StackFrame, ...]) -> list[StackFrame]:

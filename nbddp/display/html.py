@@ -39,6 +39,8 @@ def header_html(s: RunSnapshot) -> str:
         line += f" · finished in {s.elapsed:.1f} s"
     if s.finishing_line:
         line += f" · {s.finishing_line}"
+    if s.pdb_line:
+        line += f' · <span class="nbddp-pdb">{html.escape(s.pdb_line)}</span>'
     if s.error_line:
         line += (
             f'<div style="color:{_COLORS["failed"]};margin-top:2px">'

@@ -15,11 +15,13 @@ from typing import Any, NamedTuple
 
 from nbddp.backend import Status
 from nbddp.diagnosis.answers import Answers
+from nbddp.diagnosis.prompts import Prompts
 from nbddp.display.metrics import History, MetricsAggregator
 from nbddp.display.rich import RichOutputs
 from nbddp.display.terminal import LineWindow
 from nbddp.display.transcript import Transcript
 from nbddp.wire.messages import BarSnapshot, Block, Display
+from nbddp.wire.prompts import LeftPdb, Prompt
 from nbddp.wire.stacks import StackReport
 
 OUTPUT_LINES = 200
@@ -64,6 +66,24 @@ class RunSnapshot(NamedTuple):
     finishing: tuple[int, ...] = ()  # ranks that reported and run their exit handlers
     output_head: str = ""  # the final snapshot's: the first lines of rank 0's output
     output_file: str = ""  # the final snapshot's: a file with all of it, when some is dropped
+    in_pdb: tuple[int, ...] = ()  # ranks stopped in pdb
+    asking: tuple[int, ...] = ()  # ranks waiting for a line typed in the notebook
+    answered: bool = True  # a thread is there to ask the notebook (else: run.wait())
+
+    @property
+    def pdb_line(self) -> str:
+        """``rank 1 in pdb`` while a rank is stopped there (or waits in ``input()``)."""
+        if self.ended or not (self.in_pdb or self.asking):
+            return ""
+        parts = []
+        if self.in_pdb:
+            parts.append(f"{_ranks(self.in_pdb)} in pdb")
+        inputs = [r for r in self.asking if r not in self.in_pdb]
+        if inputs:
+            parts.append(f"{_ranks(inputs)} waiting in input()")
+        if self.asking and not self.answered:
+            parts.append("run.wait() answers in its cell")
+        return " · ".join(parts)
 
     @property
     def finishing_line(self) -> str:
@@ -108,6 +128,7 @@ class RunState:
         self.panel_output = False  # the live widget shows the ranks' output
         self.rich: RichOutputs | None = None  # where the ranks' rich output goes (the cell)
         self.answers = Answers(world_size)  # roll-calls in flight (Run.stacks)
+        self.prompts = Prompts()  # the ranks' questions to the person (pdb, input())
         self.last_progress = self.started_at  # monotonic: the last row, bar or output
         self._where = ""
         self._stalled_since: float | None = None
@@ -189,6 +210,25 @@ class RunState:
     def stacks(self, rank: int, query: int, report: StackReport) -> None:
         self.answers.answer(rank, query, report)
 
+    def prompt(self, rank: int, prompt: Prompt) -> None:
+        self.prompts.asked(rank, prompt)
+        with self.changed:
+            self.last_progress = time.monotonic()  # a person at work is no stall
+            self._bump()
+
+    def left_pdb(self, rank: int, left: LeftPdb | None) -> None:
+        self.prompts.left(rank, left)
+        with self.changed:
+            self.last_progress = time.monotonic()
+            self._bump()
+
+    @property
+    def progress_mark(self) -> float:
+        """The last progress, for the stall watch: now, while a rank is in pdb or asks."""
+        if self.prompts.in_pdb or self.prompts.waiting:
+            return time.monotonic()
+        return self.last_progress
+
     def show_where(self, text: str, stalled_since: float | None = None) -> None:
         """Show a roll-call in the panel; ``stalled_since`` (wall time): as the stall banner."""
         with self.changed:
@@ -236,6 +276,9 @@ class RunState:
                 nodes=self.nodes,
                 warning=self.warning,
                 finishing=tuple(sorted(self._finishing)),
+                in_pdb=tuple(sorted(self.prompts.in_pdb)),
+                asking=self.prompts.waiting,
+                answered=self.prompts.served,
                 rollcall=self._where,
                 stalled_since=self._stalled_since,
                 output_head=self._transcript.head_text() if final else "",
@@ -276,6 +319,10 @@ def _rate(previous: ShownBar | None, bar: BarSnapshot) -> float | None:
         return previous.rate
     recent = (bar.n - previous.n) / dt
     return 0.3 * recent + 0.7 * previous.rate
+
+
+def _ranks(ranks: tuple[int, ...] | list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def first_line(error: BaseException) -> str:

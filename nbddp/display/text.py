@@ -41,6 +41,8 @@ class TextView:
         if not line:
             return
         self._last_line = now
+        if self._tty and s.asking:  # the terminal is the input box now: no redraws
+            return
         if self._tty:
             width = shutil.get_terminal_size((100, 20)).columns - 1
             self._write("\r" + line[:width].ljust(width))
@@ -66,6 +68,8 @@ def status_line(s: RunSnapshot) -> str:
         parts.append(metrics)
     if s.finishing_line:
         parts.append(s.finishing_line)
+    if s.pdb_line:
+        parts.append(s.pdb_line)
     return " | ".join(parts) if len(parts) > 1 else ""
 
 

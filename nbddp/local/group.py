@@ -40,6 +40,7 @@ from nbddp.wire.call import Call
 from nbddp.wire.frames import Connection
 from nbddp.wire.messages import Display, Ended, Hello, Job, Output, Received, Shown, Started, Task
 from nbddp.wire.spec import SPEC, JobSpec
+from nbddp.wire.prompts import Prompt
 from nbddp.wire.stacks import AskStacks, RankStacks
 from nbddp.wire.transport import Listener
 
@@ -256,7 +257,7 @@ class RankGroup:
                 self._channels.forget(conn)  # a stranger that knew the key but is no rank of ours
         elif getattr(message, "rank", None) == rank:
             shown = isinstance(message, Display) and not message.update
-            if shown and self._pump is not None:
+            if (shown or isinstance(message, Prompt)) and self._pump is not None:
                 self._pump.drain(rank)  # what the rank printed before it goes first
             if isinstance(message, RankStacks):
                 self._dumps.answered(rank, message.query)

@@ -40,7 +40,7 @@ from nbddp.errors.remote import rank_raised
 from nbddp.plan import LaunchPlan
 from nbddp.wire import payload
 from nbddp.wire.stacks import AskStacks, StackReport
-from nbddp.worker import live, world
+from nbddp.worker import debugger, live, world
 from nbddp.worker.context import Context, installed
 from nbddp.worker.report import format_user_traceback, hint_for, message_of
 from nbddp.worker.stacks import current_threads, recent_collectives
@@ -198,6 +198,9 @@ class InKernel:
     def stop(self) -> None:
         self._abort("stopped")
 
+    def tell(self, message: Any) -> None:
+        """The one rank is the kernel itself: its pdb asks the input box directly."""
+
     def ask(self, message: AskStacks) -> None:
         """The one rank is the kernel's thread that runs fn: its stack is taken right here."""
         events, ident = self._events, self._thread_id
@@ -272,6 +275,8 @@ class InKernel:
             finish(Outcome("stopped"))
             raise
         except BaseException as exc:
+            if plan.debug and plan.block:  # the caller's thread: pdb asks the input box
+                debugger.post_mortem_here(exc)
             error = rank_raised(
                 0,
                 type(exc).__name__,

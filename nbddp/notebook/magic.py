@@ -70,6 +70,12 @@ class DDPMagics(Magics):
     )
     @argument("--no-out", action="store_true", help="bring nothing back into the notebook")
     @argument(
+        "--debug",
+        action="store_true",
+        help="an uncaught exception on a rank opens post-mortem pdb at the frame that raised "
+        "(the other ranks held), in this cell's input box, before the cell fails",
+    )
+    @argument(
         "--session",
         action="store_true",
         help="run on the ranks of %%ddp_session start, in the namespace they keep; only "
@@ -134,6 +140,7 @@ class DDPMagics(Magics):
                 display=args.display,
                 output=args.output,
                 stall_after=args.stall_after,
+                debug=args.debug,
                 cluster=args.cluster,
                 nodes="auto" if args.nodes is None else args.nodes,
                 workers_per_node=(
@@ -188,7 +195,12 @@ class DDPMagics(Magics):
         assert shell is not None  # a registered magic always has its shell
 
         def run_like_a_normal_cell() -> None:
-            result = shell.run_cell(cell, store_history=False)
+            call_pdb = shell.call_pdb
+            shell.call_pdb = plan.debug or call_pdb  # --debug: IPython's own post-mortem
+            try:
+                result = shell.run_cell(cell, store_history=False)
+            finally:
+                shell.call_pdb = call_pdb
             if result.error_in_exec is not None or result.error_before_exec is not None:
                 raise CellFailed("the cell raised")
 

@@ -31,6 +31,7 @@ from nbddp.wire.messages import (
     Rows,
     Started,
 )
+from nbddp.wire.prompts import LeftPdb, Prompt, Quit, Reply
 from nbddp.wire.stacks import RankStacks
 
 # After the first failure, how long to wait for the other ranks' news before choosing the root
@@ -39,6 +40,8 @@ from nbddp.wire.stacks import RankStacks
 SETTLE = 0.5
 
 Clock = Callable[[], float]
+
+COLLATERAL = "another rank failed first: its error is the run's, and only it is debugged"
 
 
 def forward_live(events: RunEvents, rank: int, message: Any) -> bool:
@@ -87,34 +90,63 @@ class Judging:
         events: RunEvents,
         node_of: Callable[[int], str | None] = lambda rank: None,
         clock: Clock = time.monotonic,
+        tell: Callable[[Any], None] = lambda message: None,
     ) -> None:
         self.world_size = world_size
         self.tracker = RunTracker(world_size, return_all)
+        self._tell = tell  # to every rank
         self._events = events
         self._node_of = node_of
         self._clock = clock
         self._timeout = timeout
         self._deadline = clock() + timeout if timeout else None
         self.stop_requested = False
+        self.in_pdb: set[int] = set()  # a person debugs them: a failure waits for them
 
     def stop(self) -> None:
         self.stop_requested = True
 
     def event(self, event: RankEvent) -> None:
         match event:
+            case Received(rank=rank, message=Prompt() | LeftPdb() | Quit() as message):
+                self._debugging(rank, message)
             case Received(rank=rank, message=message, buffers=buffers):
                 if not forward_live(self._events, rank, message):
                     self._message(rank, message, buffers)
             case Ended(rank=rank, code=code, stderr_tail=tail):
+                self._left_pdb(rank)
                 self._ended(rank, code, tail)
             case NodeLost(ranks=ranks, node=node, reason=reason):
                 self.tracker.node_lost(ranks, node, reason)
                 for rank in ranks:
+                    self._left_pdb(rank)
                     self._ended(rank, None, "")
             case Started():
                 self._started()
             case Printed(text=text):
                 self._printed(text)
+
+    def _debugging(self, rank: int, message: Prompt | LeftPdb | Quit) -> None:
+        """A rank's pdb: it waits for a line (the run's state asks the person), it left, or
+        ``q`` ended the run as stopped."""
+        match message:
+            case Prompt(kind="post-mortem", seq=seq) if self.tracker.failures:
+                # a rank already failed: this error follows from it; only the first is debugged
+                self._tell(Reply(rank, seq, None, COLLATERAL))
+            case Prompt(kind=kind):
+                if kind != "input":
+                    self.in_pdb.add(rank)
+                self._events.prompt(rank, message)
+            case LeftPdb():
+                self.in_pdb.discard(rank)
+                self._events.left_pdb(rank, message)
+            case Quit():
+                self.stop()
+
+    def _left_pdb(self, rank: int) -> None:
+        """A rank that ended asks nothing any more."""
+        self.in_pdb.discard(rank)
+        self._events.left_pdb(rank, None)
 
     def _message(self, rank: int, message: Any, buffers: list[Any]) -> None:
         raise NotImplementedError

@@ -59,7 +59,7 @@ class Referee(Judging):
         clock: Clock = time.monotonic,
         exit_timeout: float = JobSpec.exit_timeout,
     ) -> None:
-        super().__init__(world_size, return_all, timeout, events, node_of, clock)
+        super().__init__(world_size, return_all, timeout, events, node_of, clock, broadcast)
         self._broadcast = broadcast
         self._groups_to_start = started_groups
         self._settled: float | None = None
@@ -141,7 +141,7 @@ class Referee(Judging):
 
     def verdict(self) -> Outcome | None:
         tracker = self.tracker
-        if tracker.failures:
+        if tracker.failures and not self.in_pdb:  # held while a person debugs a rank
             self._settled = self._settled or self._clock() + SETTLE
             if tracker.everyone_accounted_for or self._clock() >= self._settled:
                 return Outcome("failed", error=tracker.root_cause().error)

@@ -53,3 +53,6 @@ class SessionTask:
 
     def ask(self, message: Any) -> None:
         self._ranks.processes.send_all(message)
+
+    def tell(self, message: Any) -> None:
+        self._ranks.processes.send_all(message)

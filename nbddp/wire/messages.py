@@ -61,7 +61,9 @@ count of collectives changed ``Issued``.
     Close()                           the session ends: each rank runs its exit work, exits
 
 Any rank, any time: ``AskStacks(query, native)``, answered by ``RankStacks(rank, query, report)``
-(where its threads are; defined in ``stacks.py``).
+(where its threads are; defined in ``stacks.py``); ``Prompt`` (pdb or ``input()`` waits for a
+line typed in the notebook), answered by ``Reply``, and ``LeftPdb``/``Release``/``Quit``
+(``prompts.py``).
 
 Messages are NamedTuples: pickled in a few bytes, immutable, and matched by class in the
 supervisor (``match message: case Rows(rank, first, blocks): ...``).
@@ -252,6 +254,7 @@ class Task(NamedTuple):
     shared: SharedLayout | None
     return_all: bool
     output: str
+    debug: bool = False  # an uncaught exception stops the rank in post-mortem pdb first
 
 
 class Interrupt(NamedTuple):

@@ -31,6 +31,7 @@ class JobSpec:
     logging: tuple[int, str, str | None] | None = None  # the notebook's level, format, datefmt
     session: bool = False  # the ranks stay up and run Tasks (worker/session.py)
     exit_timeout: float = 30.0  # the bound of its exit work (torchrun's SIGTERM->SIGKILL)
+    debug: bool = False  # an uncaught exception stops the rank in post-mortem pdb first
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()

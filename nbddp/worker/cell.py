@@ -17,6 +17,7 @@ from nbddp.worker import rich
 from nbddp.worker.context import is_main
 
 _MISSING = object()
+_SHOWN = "__nbddp_shown__"  # the cell's last value, while the cell runs
 
 
 @dataclass
@@ -52,13 +53,16 @@ def run_cell(
         shipped = {name: value for name, value in inputs.items() if name not in namespace}
         namespace.update(shipped)
     tree = ast.parse(source, filename)
-    last = tree.body.pop() if show_last else None
-    shown = None
+    last = tree.body[-1] if show_last and tree.body else None
+    if isinstance(last, ast.Expr):  # kept in the cell's code: pdb steps onto it like any line
+        tree.body[-1] = ast.copy_location(
+            ast.Assign([ast.Name(_SHOWN, ast.Store())], last.value), last
+        )
+        ast.fix_missing_locations(tree)
     try:
         exec(compile(tree, filename, "exec"), namespace)
-        if isinstance(last, ast.Expr):
-            shown = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
     finally:
+        shown = namespace.pop(_SHOWN, None)
         for name, value in shipped.items():
             if namespace.get(name, _MISSING) is value:  # read, not rebound: the notebook's
                 del namespace[name]

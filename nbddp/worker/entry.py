@@ -24,9 +24,10 @@ from nbddp.wire import payload, transport
 from nbddp.wire.call import loads_call
 from nbddp.wire.frames import Connection
 from nbddp.wire.messages import AllJoined, Failed, Hello, Joined, Shown, Trained
+from nbddp.wire.prompts import Release, Reply
 from nbddp.wire.spec import SPEC, JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.worker import integrations, live, rich, stacks, sync_check
+from nbddp.worker import asking, debugger, integrations, live, rich, stacks, sync_check
 from nbddp.worker.exiting import exit_normally, skip_import_finalizers
 from nbddp.worker.reaping import become_subreaper, end_descendants
 from nbddp.worker.report import ChannelSink, error_report
@@ -65,8 +66,9 @@ def main(directory: str) -> int:
 
 
 def _listen(conn: Connection, rank: int, joined: threading.Event) -> None:
-    """The kernel's word after the job: ``AllJoined``, ``Shown``, or a roll-call (answered
-    even while fn waits in a collective). Its end closing means it is gone, and so is this
+    """The kernel's word after the job: ``AllJoined``, ``Shown``, a roll-call (answered
+    even while fn waits in a collective), a reply to pdb's prompt or a release from
+    ``nbddp.breakpoint()``. Its end closing means it is gone, and so is this
     rank, at once, with its whole process group."""
     try:
         while True:
@@ -77,6 +79,8 @@ def _listen(conn: Connection, rank: int, joined: threading.Event) -> None:
                 rich.shown()
             elif isinstance(message, AskStacks):
                 stacks.answer(conn, rank, message)
+            elif isinstance(message, (Reply, Release)):
+                asking.received(message)
     except (EOFError, OSError):
         pass
     kill_own_group()
@@ -106,6 +110,9 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
             buffer = live.LiveBuffer(ChannelSink(conn, rank))
             live.install(buffer)
             rich.configure(conn.send, rank, spec.output)
+            asking.configure(
+                asking.Link(conn.send, rank, context.world_size, spec.output, debug=spec.debug)
+            )
             checked = context.world_size > 1  # "did DDP happen?" means something
             if checked:
                 sync_check.install()
@@ -121,6 +128,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
             return 1
         value, early_exit = None, True
     except BaseException as exc:
+        debugger.post_mortem(exc)  # debug=True: pdb at the failing frame, the others held
         conn.send(Failed(rank, error_report(exc)))
         return 1
     finally:

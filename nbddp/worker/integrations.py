@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from nbddp.errors import NbddpWarning
-from nbddp.worker import catalyst_engines, launchers, live, rich, trainers
+from nbddp.worker import catalyst_engines, debugger, launchers, live, rich, trainers
 from nbddp.worker.context import rank
 
 Patch = Callable[[ModuleType], None]
@@ -111,6 +111,7 @@ def install(output: str) -> None:
         "torch.distributed.launcher.api": launchers.guard_elastic,
         "IPython.core.display_functions": rich.install(),  # display() into the cell
         "catalyst.runners.runner": catalyst_engines.patch,
+        **debugger.install(),  # breakpoint(), pdb.set_trace(), input(): the input box
     }
     for name, patch in patches.items():
         if name in sys.modules:  # imported already (a library the job itself imported)

@@ -39,10 +39,11 @@ from nbddp.wire.messages import (
     Shown,
     Task,
 )
+from nbddp.wire.prompts import Release, Reply
 from nbddp.wire.spec import JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.worker import collectives, integrations, live, rich, stacks, world
-from nbddp.worker.context import device
+from nbddp.worker import asking, collectives, debugger, integrations, live, rich, stacks, world
+from nbddp.worker.context import device, world_size
 from nbddp.worker.exiting import skip_import_finalizers
 from nbddp.worker.report import ChannelSink, error_report
 from nbddp.worker.setup import (
@@ -137,6 +138,7 @@ def _run_task(
     live.install(buffer)
     integrations.set_output(task.output)
     rich.configure(conn.send, rank, task.output)
+    asking.configure(asking.Link(conn.send, rank, world_size(), task.output, task.task, task.debug))
     report = None
     value = None
     try:
@@ -159,6 +161,7 @@ def _run_task(
         if exc.code not in (None, 0):
             report = error_report(exc)
     except BaseException as exc:
+        debugger.post_mortem(exc)  # debug=True: pdb at the failing frame, the others held
         report = error_report(exc)
     finally:
         live.install(None)
@@ -224,6 +227,8 @@ def _listen(
                     rich.shown()
                 case AskStacks():
                     stacks.answer(conn, rank, frame.message)
+                case Reply() | Release():
+                    asking.received(frame.message)
     except (EOFError, OSError):
         pass
     kill_own_group()

@@ -69,3 +69,24 @@ def test_inner_bars_go_when_closed_and_rates_are_smoothed():
     assert bars[1].rate == pytest.approx(0.3 * 20 + 0.7 * 10)
     state.bars([BarSnapshot(1, 1, "batch", 100, 100, 3.0, True)])
     assert [b.desc for b in state.snapshot().bars] == ["epoch"]
+
+
+def test_the_panel_says_which_rank_is_in_pdb_and_that_is_no_stall():
+    from nbddp.display.html import header_html
+    from nbddp.display.text import status_line
+    from nbddp.wire.prompts import LeftPdb, Prompt
+
+    state = RunState(2, "cpu", "gloo", "cpu")
+    quiet_since = state.last_progress
+    state.prompt(1, Prompt(1, 1, "pdb", "", "(Pdb rank 1) ", ("f.py", 3)))
+    snapshot = state.snapshot()
+    assert snapshot.pdb_line == "rank 1 in pdb · run.wait() answers in its cell"
+    assert "rank 1 in pdb" in header_html(snapshot) and "rank 1 in pdb" in status_line(snapshot)
+    assert state.progress_mark > quiet_since  # the stall watch sees a person at work
+    state.prompts._servers = 1  # a cell waits for the run: it asks there
+    assert state.snapshot().pdb_line == "rank 1 in pdb"
+    state.left_pdb(1, LeftPdb(1, 0, 0))
+    state.prompt(0, Prompt(0, 1, "input", "", "name? ", ("f.py", 9)))
+    assert state.snapshot().pdb_line == "rank 0 waiting in input()"
+    state.left_pdb(0, None)  # it ended
+    assert state.snapshot().pdb_line == "" and state.progress_mark == state.last_progress

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from nbddp import LaunchTimeout, WorkerError
-from nbddp.rules.judging import SETTLE
+from nbddp.rules.judging import COLLATERAL, SETTLE
 from nbddp.rules.referee import Referee
 from nbddp.rules.task_referee import GRACE, TaskReferee
 from nbddp.wire.messages import (
@@ -25,6 +25,7 @@ from nbddp.wire.messages import (
     Result,
     Started,
 )
+from nbddp.wire.prompts import LeftPdb, Prompt, Quit, Reply
 
 
 class Clock:
@@ -259,3 +260,66 @@ def test_a_stopped_task_is_stopped_once_the_ranks_answered():
     judge.event(failed(0))
     judge.event(failed(1))
     assert judge.verdict().outcome.status == "stopped"
+
+
+# -- a rank in pdb (#33) ------------------------------------------------------------------
+
+
+def prompt(rank: int, kind: str = "pdb", seq: int = 1) -> Received:
+    return Received(rank, Prompt(rank, seq, kind, "", f"(Pdb rank {rank}) ", ("f.py", 3)), [])
+
+
+def test_a_failure_waits_while_a_person_debugs_a_rank_then_ends_the_run():
+    clock = Clock()
+    judge = referee(clock)
+    judge.event(prompt(1))
+    judge.event(failed(0))
+    clock.now += SETTLE * 10
+    assert judge.verdict() is None  # rank 1 is in pdb: the run is held
+    judge.event(Received(1, LeftPdb(1, 0, 0), []))
+    assert judge.verdict() is None  # the settle window starts now: rank 1 may fail too
+    clock.now += SETTLE
+    outcome = judge.verdict()
+    assert outcome is not None and outcome.status == "failed"
+
+
+def test_the_timeout_counts_while_a_rank_is_in_pdb():
+    clock = Clock()
+    judge = referee(clock, timeout=10)
+    judge.event(prompt(1))
+    clock.now += 10
+    outcome = judge.verdict()
+    assert outcome is not None and isinstance(outcome.error, LaunchTimeout)
+
+
+def test_q_in_a_ranks_pdb_stops_the_run_even_with_a_failure_in_flight():
+    clock = Clock()
+    judge = referee(clock)
+    judge.event(prompt(1))
+    judge.event(failed(0))
+    judge.event(Received(1, Quit(1), []))
+    outcome = judge.verdict()
+    assert outcome is not None and outcome.status == "stopped"
+
+
+def test_a_post_mortem_after_the_first_failure_is_declined():
+    """The first failing rank is debugged; a peer's error that follows from it (its
+    collective broke) is not, or the person would answer one prompt per rank."""
+    clock = Clock()
+    judge = referee(clock)
+    judge.event(failed(1))
+    judge.event(prompt(0, "post-mortem", seq=4))
+    assert judge.sent == [Reply(0, 4, None, COLLATERAL)]  # type: ignore[attr-defined]
+    assert not judge.in_pdb
+    judge.event(prompt(0, "input", seq=5))  # input() is no pdb: it holds nothing
+    assert not judge.in_pdb
+
+
+def test_a_rank_that_ends_in_pdb_holds_nothing():
+    clock = Clock()
+    judge = referee(clock)
+    judge.event(prompt(1))
+    judge.event(failed(0))
+    judge.event(Ended(1, -9, ""))
+    outcome = judge.verdict()  # every rank accounted for: no settle window
+    assert outcome is not None and outcome.status == "failed"

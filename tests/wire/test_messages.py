@@ -7,7 +7,7 @@ import inspect
 import pickle
 import typing
 
-from nbddp.wire import messages
+from nbddp.wire import messages, prompts
 from nbddp.wire.spec import JobSpec
 
 
@@ -32,8 +32,9 @@ def test_the_job_spec_comes_back_from_its_file_as_it_was_written():
 def message_classes() -> list[type]:
     return [
         cls
-        for _, cls in inspect.getmembers(messages, inspect.isclass)
-        if cls.__module__ == messages.__name__ and issubclass(cls, tuple) and cls is not tuple
+        for module in (messages, prompts)
+        for _, cls in inspect.getmembers(module, inspect.isclass)
+        if cls.__module__ == module.__name__ and issubclass(cls, tuple) and cls is not tuple
     ]
 
 
@@ -65,3 +66,9 @@ def test_the_protocol_docstring_names_every_message_of_the_rank_wire():
     assert len(union) >= 16
     missing = [cls.__name__ for cls in union if cls.__name__ not in (messages.__doc__ or "")]
     assert not missing, f"draw these in wire/messages.py's docstring: {missing}"
+
+
+def test_the_prompts_docstring_draws_each_of_its_messages():
+    drawn = [cls.__name__ for cls in message_classes() if cls.__module__ == prompts.__name__]
+    assert len(drawn) == 5
+    assert all(f"    {name}(" in (prompts.__doc__ or "") for name in drawn)

@@ -1,0 +1,249 @@
+"""Debugging a rank in the cell, in a real kernel: a person answers the notebook's input box
+(``input_request`` on the stdin channel, as JupyterLab's box does) while ranks sit in pdb."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+
+LAUNCH = "num_workers=2, device='cpu', display='none'"
+
+
+class Person:
+    """Types ``lines`` one per prompt (a callable line is called first: it may wait for
+    something the person would see); keeps the prompts it saw."""
+
+    def __init__(self, *lines: str | Callable[[], str]) -> None:
+        self.lines = list(lines)
+        self.prompts: list[str] = []
+
+    def __call__(self, prompt: str) -> str | None:
+        self.prompts.append(prompt)
+        assert self.lines, f"an unexpected prompt: {prompt!r} (after {self.prompts[:-1]})"
+        line = self.lines.pop(0)
+        return line() if callable(line) else line
+
+
+def plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+@pytest.fixture(scope="module")
+def notebook(kernel):
+    kernel.run("%load_ext nbddp")
+    return kernel
+
+
+def test_pdb_on_rank_1_of_a_ddp_cell_answers_p_n_w_c(notebook):
+    person = Person("p x", "n", "w", "c")
+    out, reply = notebook.run_answering(
+        "%%ddp -n 2 --device cpu --display none\n"
+        "x = 10 * (nbddp.rank() + 1)\n"
+        "if nbddp.rank() == 1:\n"
+        "    breakpoint()\n"
+        "y = x + 1\n"
+        "z = y * 2\n",
+        person,
+    )
+    out = plain(out)
+    cell = reply["execution_count"]
+    assert reply["status"] == "ok", out
+    assert person.prompts == ["(Pdb rank 1) "] * 4 and not person.lines
+    assert f"> Cell In[{cell}], line 5, in <module>()\n-> y = x + 1" in out  # as written
+    assert "\n20\n" in out  # p x: rank 1's x
+    assert f"> Cell In[{cell}], line 6, in <module>()\n-> z = y * 2" in out  # n, then w
+    assert "nbddp/" not in out and "forkserver" not in out and "runpy" not in out
+    assert notebook.run("print(z)")[0].strip() == "22"  # rank 0's, brought back as usual
+
+
+def test_nbddp_breakpoint_holds_the_other_rank_until_c(notebook, tmp_path):
+    reached, passed = tmp_path / "reached", tmp_path / "passed"
+    notebook.run(
+        "def held():\n"
+        "    if nbddp.rank() == 1:\n"
+        f"        open({str(reached)!r}, 'w').close()\n"
+        "    nbddp.breakpoint(rank=0)\n"
+        "    if nbddp.rank() == 1:\n"
+        f"        open({str(passed)!r}, 'w').write(repr(time.time()))\n"
+        "    return nbddp.rank()\n"
+    )
+    released = []
+
+    def c_once_rank_1_waits() -> str:
+        deadline = time.monotonic() + 30
+        while not reached.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert reached.exists(), "rank 1 never reached nbddp.breakpoint()"
+        assert not passed.exists(), "rank 1 went past nbddp.breakpoint() while rank 0 was in pdb"
+        released.append(time.time())
+        return "c"
+
+    person = Person("p nbddp.rank()", c_once_rank_1_waits)
+    out, reply = notebook.run_answering(f"nbddp.notebook_launch(held, {LAUNCH})", person)
+    assert reply["status"] == "ok", out
+    assert person.prompts == ["(Pdb rank 0) "] * 2
+    assert float(passed.read_text()) > released[0]  # rank 1 went on only after c
+
+
+def test_q_ends_the_run_as_stopped_at_once_and_the_next_cell_works(notebook):
+    person = Person("q")
+    started = time.monotonic()
+    out, reply = notebook.run_answering(
+        "%%ddp -n 2 --device cpu --display none\n"
+        "nbddp.breakpoint(rank=1)\n"
+        "torch.distributed.barrier()\n",
+        person,
+    )
+    assert reply["status"] == "error" and reply["ename"] == "RunStopped", plain(out)
+    assert time.monotonic() - started < 20  # no collective left to time out
+    out, reply = notebook.run(f"print(nbddp.notebook_launch(lambda: 7, {LAUNCH}))")
+    assert reply["status"] == "ok" and out.strip() == "7", out
+
+
+def test_post_mortem_shows_a_local_of_the_failing_frame_while_the_other_rank_is_held(notebook):
+    notebook.run(
+        "def fails():\n"
+        "    secret = 41 + nbddp.rank()\n"
+        "    if nbddp.rank() == 1:\n"
+        "        raise ValueError('bad batch')\n"
+        "    torch.distributed.barrier()\n"
+    )
+    person = Person("p secret", "c")
+    out, reply = notebook.run_answering(
+        f"nbddp.notebook_launch(fails, {LAUNCH}, debug=True)", person
+    )
+    out = plain(out)
+    assert reply["status"] == "error" and reply["ename"] == "WorkerError", out
+    assert person.prompts == ["(Pdb rank 1) "] * 2
+    assert "rank 1 raised ValueError: bad batch" in out
+    assert "-> raise ValueError('bad batch')" in out and "\n42\n" in out
+
+
+def test_input_on_rank_0_is_the_input_box(notebook):
+    notebook.run("def ask():\n    return input('your name? ') if nbddp.rank() == 0 else None\n")
+    person = Person("Ada")
+    out, reply = notebook.run_answering(
+        f"print('hello', nbddp.notebook_launch(ask, {LAUNCH}))", person
+    )
+    assert reply["status"] == "ok" and "hello Ada" in out, out
+    assert person.prompts == ["your name? "]
+
+
+def test_without_an_input_box_a_breakpoint_warns_and_the_run_goes_on(notebook):
+    _, defined = notebook.run(
+        "def headless():\n"
+        "    if nbddp.rank() == 1:\n"
+        "        breakpoint()\n"
+        "    try:\n"
+        "        return input()\n"
+        "    except EOFError as error:\n"
+        "        return str(error)\n"
+    )
+    started = time.monotonic()
+    out, reply = notebook.run_answering(
+        f"print(nbddp.notebook_launch(headless, {LAUNCH}))", Person(), allow_stdin=False
+    )
+    assert reply["status"] == "ok", out
+    assert time.monotonic() - started < 20
+    cell = defined["execution_count"]
+    assert f"breakpoint on rank 1 at Cell In[{cell}], line 3 was skipped" in out
+    assert "no input box" in out and "The run goes on" in out  # and input()'s EOFError:
+    assert out.startswith("nbddp: this notebook client has no input box")  # rank 0's value
+
+
+def test_timeout_keeps_counting_while_a_rank_waits_in_pdb(notebook):
+    started = time.monotonic()
+    out, reply = notebook.run_answering(
+        "%%ddp -n 2 --device cpu --display none --timeout 4\nbreakpoint()\nx = 1\n",
+        lambda prompt: None,  # nobody answers
+    )
+    assert reply["status"] == "error" and reply["ename"] == "LaunchTimeout", plain(out)
+    assert time.monotonic() - started < 15  # the unanswered box did not hold the cell
+    assert "pdb" in plain(out)  # the roll-call says where the ranks were
+
+
+def test_the_panel_says_rank_n_in_pdb_and_no_stall_banner(notebook):
+    messages: list[dict] = []
+
+    def panels() -> list[str]:
+        kinds = ("display_data", "update_display_data")
+        shown = [m["content"]["data"] for m in messages if m["msg_type"] in kinds]
+        return [data.get("text/html", "") for data in shown]
+
+    def c_once_the_panel_said_so() -> str:
+        said = notebook.watch(lambda: any("rank 1 in pdb" in p for p in panels()))
+        assert said, "the panel never said 'rank 1 in pdb'"
+        due = time.monotonic() + 4.5  # three times stall_after: the banner would show by then
+        notebook.watch(lambda: time.monotonic() > due)
+        return "c"
+
+    notebook.run(
+        "def slow_debug():\n    if nbddp.rank() == 1:\n        breakpoint()\n    return 1\n"
+    )
+    out, reply = notebook.run_answering(
+        "nbddp.notebook_launch(slow_debug, num_workers=2, device='cpu', display='widget', "
+        "stall_after=1.5)",
+        Person(c_once_the_panel_said_so),
+        messages=messages,
+    )
+    assert reply["status"] == "ok", out
+    assert not any("no rank made progress" in p for p in panels()), "the stall banner fired"
+
+
+def test_a_background_run_is_answered_by_run_result_and_the_roll_call_names_pdb(notebook):
+    notebook.run(
+        "def later():\n    nbddp.breakpoint(rank=0)\n    return 'done'\n"
+        f"r = nbddp.notebook_launch(later, {LAUNCH}, block=False)\n"
+    )
+    out, reply = notebook.run(
+        "for _ in range(200):\n"
+        "    calls = str(r.stacks())\n"
+        "    if 'pdb' in calls and 'held' in calls:\n"
+        "        break\n"
+        "    time.sleep(0.05)\n"
+        "print(calls)\n"
+    )
+    assert "rank 0" in out and "pdb" in out, out
+    assert "rank 1" in out and "nbddp.breakpoint() (held" in out, out
+    person = Person("c")
+    out, reply = notebook.run_answering("print(r.result())", person)
+    assert reply["status"] == "ok" and out.strip().endswith("done"), out
+    assert person.prompts == ["(Pdb rank 0) "]
+
+
+SCRIPT = """\
+import nbddp
+
+def train():
+    x = 40 + nbddp.rank()
+    if nbddp.rank() == 0:
+        breakpoint()
+    return x
+
+print("RESULT", nbddp.notebook_launch(train, num_workers=2, device="cpu", display="none"))
+"""
+
+
+def test_in_a_script_rank_0s_prompt_is_the_terminal(tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    terminal = pexpect.spawn(
+        sys.executable, [str(script)], cwd=tmp_path, timeout=60, encoding="utf-8"
+    )
+    try:
+        terminal.expect_exact("-> return x")
+        terminal.expect_exact("(Pdb rank 0) ")
+        terminal.sendline("p x")
+        terminal.expect_exact("40")
+        terminal.expect_exact("(Pdb rank 0) ")
+        terminal.sendline("c")
+        terminal.expect_exact("RESULT 40")
+        terminal.expect(pexpect.EOF)
+    finally:
+        terminal.close(force=True)
+    assert terminal.exitstatus == 0
