@@ -370,4 +370,7 @@ def test_a_ranks_pdb_prompt_is_the_notebooks_input_box(jupyterlab: tuple[str, Pa
             print(page.inner_text(".jp-Cell-outputArea"))
             raise
         assert "done" in page.inner_text(".nbddp-summary")
+        if page.locator(".jp-Stdin-input").count():
+            print("LEFT", page.eval_on_selector_all(".jp-Stdin-input", "els => els.map(e => e.closest('.jp-OutputArea-child').outerHTML)"))
+            print("OUT", page.inner_text(".jp-Cell-outputArea"))
         assert page.locator(".jp-Stdin-input").count() == 0

@@ -247,3 +247,45 @@ def test_in_a_script_rank_0s_prompt_is_the_terminal(tmp_path):
     finally:
         terminal.close(force=True)
     assert terminal.exitstatus == 0
+
+
+def test_a_session_task_stops_in_pdb_and_q_keeps_the_session(notebook):
+    out, reply = notebook.run("%ddp_session start -n 2 --device cpu")
+    assert reply["status"] == "ok", out
+    try:
+        person = Person("p total", "c")
+        out, reply = notebook.run_answering(
+            "%%ddp --session --display none --debug\n"
+            "total = 10 * (nbddp.rank() + 1)\n"
+            "if nbddp.rank() == 1:\n"
+            "    total / 0\n",
+            person,
+        )
+        out = plain(out)
+        assert reply["status"] == "error" and reply["ename"] == "WorkerError", out
+        assert person.prompts == ["(Pdb rank 1) "] * 2 and "\n20\n" in out  # post-mortem
+        person = Person("q")
+        out, reply = notebook.run_answering(
+            "%%ddp --session --display none\nnbddp.breakpoint(rank=1)\n", person
+        )
+        assert reply["status"] == "error" and reply["ename"] == "RunStopped", plain(out)
+        out, reply = notebook.run("%%ddp --session --display none --out total\ntotal += 1\n")
+        assert reply["status"] == "ok", plain(out)
+        assert notebook.run("print(total)")[0].strip() == "11"  # the session kept its state
+    finally:
+        notebook.run("%ddp_session stop")
+
+
+def test_the_one_rank_in_the_kernel_stops_in_pdb_too(notebook):
+    """One worker runs fn in the kernel, where ipykernel's breakpoint() does nothing without
+    a debugger client: nbddp's opens pdb in the input box, and debug=True post-mortem."""
+    notebook.run("def alone():\n    x = 7\n    breakpoint()\n    return x / 0\n")
+    person = Person("p x", "c", "p x + 1", "c")
+    out, reply = notebook.run_answering(
+        "nbddp.notebook_launch(alone, num_workers=1, device='cpu', display='none', debug=True)",
+        person,
+    )
+    out = plain(out)
+    assert reply["status"] == "error" and reply["ename"] == "WorkerError", out
+    assert person.prompts == ["(Pdb rank 0) "] * 4
+    assert "\n7\n" in out and "\n8\n" in out  # at the breakpoint, then post-mortem

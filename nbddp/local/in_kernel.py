@@ -252,7 +252,8 @@ class InKernel:
             panel = events.output if plan.block else None
             redirect = _redirected(panel) if panel is not None else contextlib.nullcontext()
             interrupts.reached("joining the process group")
-            with single_rank_world(plan, fn), redirect:
+            asks = debugger.in_the_kernel(sys.stdout) if plan.block else contextlib.nullcontext()
+            with single_rank_world(plan, fn), asks, redirect:
                 with self._lock:
                     if self._reason is not None:
                         raise _Abort

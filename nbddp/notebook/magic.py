@@ -266,6 +266,7 @@ class DDPMagics(Magics):
             display=args.display,
             output=args.output,
             stall_after=args.stall_after,
+            debug=args.debug,
         )
         return crossing.bring_back(self._namespace, outcome, source, filename, session=True)
 

@@ -60,8 +60,9 @@ class TaskReferee(Judging):
         node_of: Callable[[int], str | None] = lambda rank: None,
         clock: Clock = time.monotonic,
         issued: dict[int, tuple[GroupCount, ...] | None] | None = None,
+        tell: Callable[[Any], None] = lambda message: None,
     ) -> None:
-        super().__init__(world_size, return_all, timeout, events, node_of, clock)
+        super().__init__(world_size, return_all, timeout, events, node_of, clock, tell)
         self.output: Writable = events.output or CellStream(sys.stdout)  # taken in the cell
         self._interrupt = interrupt
         self._answered: set[int] = set()
@@ -70,6 +71,7 @@ class TaskReferee(Judging):
         self._died: set[int] = set()
         self._ending: Ending | None = None
         self._grace_until: float | None = None
+        self._held: float | None = None  # a failure's grace, held while a rank is in pdb
 
     @classmethod
     def for_plan(
@@ -79,9 +81,11 @@ class TaskReferee(Judging):
         interrupt: Callable[[], None],
         node_of: Callable[[int], str | None] = lambda rank: None,
         issued: dict[int, tuple[GroupCount, ...] | None] | None = None,
+        tell: Callable[[Any], None] = lambda message: None,
     ) -> TaskReferee:
         """The referee of one task run with ``plan``'s options (``interrupt``: interrupt the
-        task on every rank; ``issued``: each rank's last report of its collectives)."""
+        task on every rank; ``issued``: each rank's last report of its collectives; ``tell``:
+        send to every rank)."""
         return cls(
             plan.world_size,
             plan.return_all,
@@ -90,6 +94,7 @@ class TaskReferee(Judging):
             interrupt,
             node_of=node_of,
             issued=issued,
+            tell=tell,
         )
 
     def _message(self, rank: int, message: Any, buffers: list[Any]) -> None:
@@ -122,6 +127,9 @@ class TaskReferee(Judging):
         """The task ends early: interrupt who still runs it, and give them ``grace``
         (``GRACE``, read now: a test may shorten it)."""
         grace = GRACE if grace is None else grace
+        if why == "failed" and self.in_pdb and self._ending is None:
+            self._held = grace if self._held is None else min(grace, self._held)
+            return  # a person debugs a rank: the task fails once they leave pdb
         now = self._clock()
         if self._ending is None:
             self._ending = why
@@ -133,6 +141,9 @@ class TaskReferee(Judging):
         return self._earliest(self._grace_until)
 
     def verdict(self) -> TaskVerdict | None:
+        if self._held is not None and not self.in_pdb:
+            grace, self._held = self._held, None
+            self._end("failed", grace)
         if self._ending is None:
             if self.stop_requested:
                 self._end("stopped")

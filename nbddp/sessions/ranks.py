@@ -155,13 +155,23 @@ class SessionRanks:
     ) -> TaskReferee:
         """Send one task to every rank; ``finish`` is called once with its verdict."""
         task_id = next(self._task_ids)
-        task = Task(task_id, kind, call.stream, sources, call.layout, plan.return_all, plan.output)
+        task = Task(
+            task_id,
+            kind,
+            call.stream,
+            sources,
+            call.layout,
+            plan.return_all,
+            plan.output,
+            plan.debug,
+        )
         referee = TaskReferee.for_plan(
             plan,
             events,
             interrupt=lambda: self.processes.send_all(Interrupt(task_id)),
             node_of=self.processes.node_of,
             issued=self.issued,
+            tell=self.processes.send_all,
         )
         self.processes.set_output(plan.output, events.output)
 

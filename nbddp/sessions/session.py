@@ -137,6 +137,7 @@ class Session:
         display: str = "auto",
         output: str = "rank0",
         stall_after: float | None = STALL_AFTER,
+        debug: bool = False,
     ) -> Any:
         """Run ``fn(*args, **kwargs)`` on every rank, in the session's namespace.
 
@@ -155,7 +156,7 @@ class Session:
         """
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
         check_call(fn, args, kwargs)
-        plan = self._options(timeout, display, output, return_all, block, stall_after)
+        plan = self._options(timeout, display, output, return_all, block, stall_after, debug)
         ranks = self._ready_ranks()
         call = dumps_call(
             without_names(fn, ranks.names),
@@ -186,6 +187,7 @@ class Session:
             False,
             True,
             options.get("stall_after", STALL_AFTER),
+            options.get("debug", False),
         )
         ranks = self._ready_ranks()
         cell_args = (source, filename, inputs, out_names, show_last, deletes)
@@ -218,6 +220,7 @@ class Session:
         return_all: Any,
         block: Any,
         stall_after: Any = STALL_AFTER,
+        debug: Any = False,
     ) -> LaunchPlan:
         return with_run_options(
             self._plan,
@@ -227,6 +230,7 @@ class Session:
             return_all=return_all,
             block=block,
             stall_after=stall_after,
+            debug=debug,
         )
 
     def _run(self, kind: str, call: Call, plan: LaunchPlan, ranks: SessionRanks) -> Any:

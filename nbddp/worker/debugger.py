@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from types import FrameType, ModuleType, TracebackType
 from typing import Any
 
@@ -57,9 +58,7 @@ def _breakpoint(rank: int, frame: FrameType) -> None:
         from nbddp.worker.context import rank as own_rank
 
         if rank == own_rank():
-            import pdb
-
-            pdb.Pdb().set_trace(frame)
+            _kernel_pdb().set_trace(frame)
         return
     if not 0 <= rank < link.world_size:
         raise ValueError(
@@ -104,13 +103,51 @@ def post_mortem(error: BaseException) -> None:
     debugger.leave()
 
 
+# -- the one rank in the kernel itself (a world of 1) ----------------------------------------
+
+_cell: Any = None  # the launching cell's stdout, while the kernel runs the one rank
+
+
+def _kernel_pdb() -> Any:
+    """pdb in the kernel: ``input()`` is the input box; its output goes to the cell."""
+    import pdb
+
+    debugger = pdb.Pdb(stdout=_cell) if _cell is not None else pdb.Pdb()
+    debugger.use_rawinput = True  # input(), not stdin.readline()
+    debugger.prompt = "(Pdb rank 0) "
+    return debugger
+
+
+@contextlib.contextmanager
+def in_the_kernel(cell: Any) -> Iterator[None]:
+    """While the kernel runs the one rank on the cell's thread, ``breakpoint()`` opens pdb in
+    the input box: ipykernel's own hook (debugpy's) does nothing unless a debugger client is
+    attached, and then it is left to it."""
+    global _cell
+    previous, _cell = sys.breakpointhook, cell
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        debugpy = sys.modules.get("debugpy")
+        if debugpy is not None and debugpy.is_client_connected():
+            return previous(*args, **kwargs)
+        if os.environ.get("PYTHONBREAKPOINT") != "0":
+            _kernel_pdb().set_trace(sys._getframe(1))
+        return None
+
+    sys.breakpointhook = hook
+    try:
+        yield
+    finally:
+        sys.breakpointhook, _cell = previous, None
+
+
 def post_mortem_here(error: BaseException) -> None:
-    """``debug=True`` for the one rank in the kernel: plain pdb, which asks ``input()``."""
+    """``debug=True`` for the one rank in the kernel: pdb at the frame that raised."""
     traceback = _from_user_code(error)
     if traceback is not None and not isinstance(error, (KeyboardInterrupt, SystemExit)):
-        import pdb
-
-        pdb.post_mortem(traceback)
+        debugger = _kernel_pdb()
+        debugger.reset()
+        debugger.interaction(None, traceback)
 
 
 # -- the hooks -------------------------------------------------------------------------------

@@ -301,6 +301,39 @@ def test_a_ddp_cell_runs_on_the_cluster_from_a_kernel(cluster, kernel_factory):
         kernel.shutdown()
 
 
+def test_a_ranks_pdb_on_a_ray_node_is_answered_in_the_notebooks_input_box(cluster, kernel_factory):
+    """breakpoint() on rank 1, on the second node: its prompt travels over the node's stream
+    to the kernel's input box, and the lines typed there back to it."""
+    simulated, _ = cluster
+    kernel = kernel_factory()
+    try:
+        out, reply = kernel.run(
+            "import os, ray, nbddp\n"
+            "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
+            f"ray.init(address={simulated.address!r}, log_to_driver=False, "
+            f"_node_ip_address={NODE_IP!r})\n"
+            "%load_ext nbddp"
+        )
+        assert reply["status"] == "ok", out
+        prompts: list[str] = []
+        typed = iter(["p where, x", "c"])
+        out, reply = kernel.run_answering(
+            "%%ddp --cluster ray --nodes 2 --workers-per-node 1 --device cpu --display none\n"
+            "where = os.environ['GROUP_RANK']\n"
+            "x = 100 + nbddp.rank()\n"
+            "if nbddp.rank() == 1:\n"
+            "    breakpoint()\n"
+            "y = x\n",
+            lambda prompt: (prompts.append(prompt), next(typed))[1],
+        )
+        assert reply["status"] == "ok", out
+        assert prompts == ["(Pdb rank 1) "] * 2
+        assert "('1', 101)" in out  # rank 1, on node 1
+        assert f"Cell In[{reply['execution_count']}], line 6" in out
+    finally:
+        kernel.shutdown()
+
+
 # -- sessions on the cluster ---------------------------------------------------------------
 
 

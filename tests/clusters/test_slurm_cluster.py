@@ -298,6 +298,36 @@ def test_a_session_keeps_its_ranks_for_two_tasks(slurm, tmp_path):
     assert [p for _, p in second] == [p for _, p in first]  # the same rank processes
 
 
+def test_a_ranks_pdb_on_the_second_node_is_answered_in_the_kernel(slurm, tmp_path):
+    """breakpoint() on rank 1, on node B: its prompt travels over the node helper's stream to
+    the kernel, which asks it (here ``input()`` answers as a person would at the input box),
+    and the lines typed go back to the rank."""
+    result, done = run_kernel(
+        slurm,
+        tmp_path,
+        """
+        import builtins
+        from nbddp.diagnosis import input_box
+
+        input_box.missing = lambda: ""  # this script's stand-in for the notebook's input box
+        typed, prompts = iter(["p x, os.environ['GROUP_RANK']", "c"]), []
+        builtins.input = lambda prompt="": (prompts.append(prompt), next(typed))[1]
+
+        def stops():
+            import torch.distributed as dist
+            x = 100 + dist.get_rank()
+            if dist.get_rank() == 1:
+                breakpoint()
+            return x
+
+        value = nbddp.notebook_launch(stops, cluster="slurm", display="none")
+        print("RESULT " + json.dumps([value, prompts]))
+        """,
+    )
+    assert result == [100, ["(Pdb rank 1) "] * 2]
+    assert "(101, '1')" in done.stdout and "-> return x" in done.stdout  # rank 1, node 1
+
+
 def test_impossible_requests_are_refused_before_anything_starts(slurm, tmp_path):
     result, _ = run_kernel(
         slurm,

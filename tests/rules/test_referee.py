@@ -323,3 +323,18 @@ def test_a_rank_that_ends_in_pdb_holds_nothing():
     judge.event(Ended(1, -9, ""))
     outcome = judge.verdict()  # every rank accounted for: no settle window
     assert outcome is not None and outcome.status == "failed"
+
+
+def test_a_session_tasks_failure_interrupts_nobody_while_a_rank_is_in_pdb():
+    clock = Clock()
+    judge = task(clock)
+    judge.event(prompt(1, "post-mortem"))
+    judge.event(failed(0))
+    assert judge.verdict() is None
+    assert judge.interrupts == []  # type: ignore[attr-defined]  # rank 1 is being debugged
+    judge.event(Received(1, LeftPdb(1, 1, 0), []))
+    assert judge.verdict() is None
+    assert judge.interrupts == [1]  # type: ignore[attr-defined]  # now the task ends
+    judge.event(failed(1))
+    verdict = judge.verdict()
+    assert verdict is not None and verdict.outcome.status == "failed"
