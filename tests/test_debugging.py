@@ -46,7 +46,7 @@ def test_pdb_on_rank_1_of_a_ddp_cell_answers_p_n_w_c(notebook):
         "if nbddp.rank() == 1:\n"
         "    breakpoint()\n"
         "y = x + 1\n"
-        "z = y * 2\n",
+        "y * 2\n",  # the cell's last value, shown: pdb steps onto its line too
         person,
     )
     out = plain(out)
@@ -55,9 +55,10 @@ def test_pdb_on_rank_1_of_a_ddp_cell_answers_p_n_w_c(notebook):
     assert person.prompts == ["(Pdb rank 1) "] * 4 and not person.lines
     assert f"> Cell In[{cell}], line 5, in <module>()\n-> y = x + 1" in out  # as written
     assert "\n20\n" in out  # p x: rank 1's x
-    assert f"> Cell In[{cell}], line 6, in <module>()\n-> z = y * 2" in out  # n, then w
+    assert f"> Cell In[{cell}], line 6, in <module>()\n-> y * 2" in out  # n, then w
     assert "nbddp/" not in out and "forkserver" not in out and "runpy" not in out
-    assert notebook.run("print(z)")[0].strip() == "22"  # rank 0's, brought back as usual
+    assert "22" in out  # rank 0's last value, shown as a cell shows it
+    assert notebook.run("print(y)")[0].strip() == "11"  # rank 0's names, brought back
 
 
 def test_nbddp_breakpoint_holds_the_other_rank_until_c(notebook, tmp_path):
@@ -181,8 +182,11 @@ def test_the_panel_says_rank_n_in_pdb_and_no_stall_banner(notebook):
         notebook.watch(lambda: time.monotonic() > due)
         return "c"
 
-    notebook.run(
-        "def slow_debug():\n    if nbddp.rank() == 1:\n        breakpoint()\n    return 1\n"
+    notebook.run(  # rank 0 waits for rank 1 meanwhile, using no CPU: what a stall is
+        "def slow_debug():\n"
+        "    if nbddp.rank() == 1:\n"
+        "        breakpoint()\n"
+        "    torch.distributed.barrier()\n"
     )
     out, reply = notebook.run_answering(
         "nbddp.notebook_launch(slow_debug, num_workers=2, device='cpu', display='widget', "
@@ -191,7 +195,7 @@ def test_the_panel_says_rank_n_in_pdb_and_no_stall_banner(notebook):
         messages=messages,
     )
     assert reply["status"] == "ok", out
-    assert not any("no rank made progress" in p for p in panels()), "the stall banner fired"
+    assert not any("made progress since" in p for p in panels()), "the stall banner fired"
 
 
 def test_a_background_run_is_answered_by_run_result_and_the_roll_call_names_pdb(notebook):

@@ -59,12 +59,15 @@ def typing(monkeypatch: pytest.MonkeyPatch, answer: Callable[[str], str]) -> lis
 
 
 def test_one_ranks_pdb_is_served_until_it_continues_then_the_next(monkeypatch):
+    monkeypatch.setattr(prompts_module, "SWITCH_AFTER", 5.0)
     asked = typing(monkeypatch, lambda prompt: "n")
     prompts, done = Prompts(), threading.Event()
     ranks = Ranks(prompts, {1: 3, 0: 2}, done)
     prompts.asked(1, question(1, 1))
     prompts.asked(0, question(0, 1))  # arrives while rank 1 is served: it waits its turn
-    assert prompts.serve(done, timeout=10)
+    started = time.monotonic()
+    assert prompts.serve(done, timeout=30)
+    assert time.monotonic() - started < 4  # each of rank 1's next questions at once
     assert asked == ["(Pdb rank 1) "] * 3 + ["(Pdb rank 0) "] * 2
     assert [m.rank for m in ranks.sent] == [1, 1, 1, 0, 0]
     assert all(m.line == "n" and not m.refused for m in ranks.sent)

@@ -274,6 +274,7 @@ def test_a_failure_waits_while_a_person_debugs_a_rank_then_ends_the_run():
     judge = referee(clock)
     judge.event(prompt(1))
     judge.event(failed(0))
+    assert judge.verdict() is None
     clock.now += SETTLE * 10
     assert judge.verdict() is None  # rank 1 is in pdb: the run is held
     judge.event(Received(1, LeftPdb(1, 0, 0), []))
