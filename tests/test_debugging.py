@@ -293,3 +293,22 @@ def test_the_one_rank_in_the_kernel_stops_in_pdb_too(notebook):
     assert reply["status"] == "error" and reply["ename"] == "WorkerError", out
     assert person.prompts == ["(Pdb rank 0) "] * 4
     assert "\n7\n" in out and "\n8\n" in out  # at the breakpoint, then post-mortem
+
+
+def test_two_ranks_at_a_breakpoint_are_served_one_after_the_other(notebook):
+    """Both ranks stop; the first served steps (n) into an all_reduce that waits for the
+    other, still at its prompt: the box then serves the other, and both finish."""
+    person = Person("n", "c", "c")
+    out, reply = notebook.run_answering(
+        "%%ddp -n 2 --device cpu --display none --out total\n"
+        "total = torch.ones(1)\n"
+        "breakpoint()\n"
+        "torch.distributed.all_reduce(total)\n",
+        person,
+    )
+    out = plain(out)
+    assert reply["status"] == "ok", out
+    first, second, third = person.prompts
+    assert first == third != second  # the second rank served while the first waited
+    assert "runs on without stopping (it may wait for rank" in out
+    assert notebook.run("print(total.item())")[0].strip() == "2.0"
