@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 from nbddp.clusters.choice import resolve as resolve_cluster
 from nbddp.clusters.placement import place_on_cluster
-from nbddp.environment import check_user_env, notebook_logging
+from nbddp.environment import check_user_env
 from nbddp.wire.messages import Output
 from nbddp.wire.spec import JobSpec
 
@@ -324,32 +324,3 @@ def _check_env(env: Mapping[str, str] | None, device: Device) -> dict[str, str]:
             )
     check_user_env(env, device)
     return dict(env)
-
-
-def job_spec(
-    plan: LaunchPlan,
-    run_id: str,
-    device_index: tuple[int, ...],
-    session: bool,
-    sys_path: tuple[str, ...] = (),
-    cwd: str = "",
-) -> JobSpec:
-    """What every rank of ``plan`` needs before it connects, wherever it runs. The channel's
-    address and key are filled in by the group that listens; a cluster node fills in its own
-    ``sys_path`` and ``cwd``."""
-    return JobSpec(
-        address="",
-        authkey="",
-        run_id=run_id,
-        sys_path=sys_path,
-        cwd=cwd,
-        device=plan.device,
-        device_index=device_index,
-        backend=plan.backend,
-        return_all=plan.return_all,
-        output=plan.output,
-        logging=notebook_logging(),
-        session=session,
-        exit_timeout=plan.exit_timeout,
-        debug=plan.debug,
-    )

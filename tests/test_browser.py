@@ -363,14 +363,6 @@ def test_a_ranks_pdb_prompt_is_the_notebooks_input_box(jupyterlab: tuple[str, Pa
         _screenshot(page, jupyterlab[1], "pdb-prompt.png")
         page.fill(".jp-Stdin-input", "c")
         page.press(".jp-Stdin-input", "Enter")
-        try:
-            page.wait_for_selector(".nbddp-summary", timeout=60_000)
-        except Exception:
-            page.screenshot(path=str(jupyterlab[1] / "pdb-failed.png"))
-            print(page.inner_text(".jp-Cell-outputArea"))
-            raise
+        page.wait_for_selector(".nbddp-summary", timeout=60_000)
         assert "done" in page.inner_text(".nbddp-summary")
-        if page.locator(".jp-Stdin-input").count():
-            print("LEFT", page.eval_on_selector_all(".jp-Stdin-input", "els => els.map(e => e.closest('.jp-OutputArea-child').outerHTML)"))
-            print("OUT", page.inner_text(".jp-Cell-outputArea"))
         assert page.locator(".jp-Stdin-input").count() == 0

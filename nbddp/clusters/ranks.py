@@ -35,7 +35,8 @@ from nbddp.clusters.nodes import NodeStart, node_places
 from nbddp.environment import new_run_id
 from nbddp.errors.notices import warn_user
 from nbddp.local.processes import TERM_GRACE
-from nbddp.plan import LaunchPlan, job_spec
+from nbddp.local.ranks import job_spec
+from nbddp.plan import LaunchPlan
 from nbddp.wire.call import Call
 from nbddp.wire.messages import NodeLost, Output, RankEvent, Task
 

@@ -29,7 +29,7 @@ from nbddp.diagnosis.input_box import (
     name_cells,
     place,
 )
-from nbddp.errors import warn_always
+from nbddp.errors.notices import warn_always
 from nbddp.wire.prompts import LeftPdb, Prompt, Release, Reply
 
 SWITCH_AFTER = 1.0  # seconds the served rank runs without asking before another is served

@@ -120,7 +120,7 @@ _ASKING = tuple(os.sep + os.path.join("worker", name) for name in ("rank_pdb.py"
 _BREAKPOINT = os.sep + os.path.join("worker", "debugger.py")  # nbddp.breakpoint(), post-mortem
 
 
-def _debugging(frames: tuple[StackFrame, ...]) -> Place | None:
+def _debugging(frames: tuple[StackFrame, ...]) -> CodePlace | None:
     """A rank stopped in pdb, waiting in ``input()`` or held at ``nbddp.breakpoint()``, at the
     user's line that got it there (the roll-call's words for it)."""
     first = next((i for i, f in enumerate(frames) if f.own and f.filename.endswith(_ASKING)), None)
@@ -133,7 +133,7 @@ def _debugging(frames: tuple[StackFrame, ...]) -> Place | None:
         waits = "nbddp.breakpoint() (held until the debugged rank continues)"
     called = [f for f in frames[:first] if not f.filename.endswith(_BREAKPOINT)]
     user = [f for f in _after_own(tuple(called)) if _is_user(f)]
-    return Place(location(user[-1]) if user else "its failing frame (post-mortem)", waits, None)
+    return CodePlace(location(user[-1]) if user else "its failing frame (post-mortem)", waits, None)
 
 
 def _after_own(frames: tuple[StackFrame, ...]) -> list[StackFrame]:

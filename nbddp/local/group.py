@@ -39,8 +39,8 @@ from nbddp.wire import payload
 from nbddp.wire.call import Call
 from nbddp.wire.frames import Connection
 from nbddp.wire.messages import Display, Ended, Hello, Job, Output, Received, Shown, Started, Task
-from nbddp.wire.spec import SPEC, JobSpec
 from nbddp.wire.prompts import Prompt
+from nbddp.wire.spec import SPEC, JobSpec
 from nbddp.wire.stacks import AskStacks, RankStacks
 from nbddp.wire.transport import Listener
 
