@@ -312,3 +312,51 @@ def test_two_ranks_at_a_breakpoint_are_served_one_after_the_other(notebook):
     assert first == third != second  # the second rank served while the first waited
     assert "runs on without stopping (it may wait for rank" in out
     assert notebook.run("print(total.item())")[0].strip() == "2.0"
+
+
+def test_pdb_set_trace_and_torch_distributed_breakpoint_open_the_input_box(notebook):
+    """``pdb.set_trace()`` on rank 1, then ``torch.distributed.breakpoint()`` (rank 0's pdb):
+    torch's own reads /dev/stdin and waits in a barrier; on a rank both are the input box."""
+    person = Person("p nbddp.rank() * 10", "l", "c", "p nbddp.rank() * 100", "c")
+    out, reply = notebook.run_answering(
+        "%%ddp -n 2 --device cpu --display none\n"
+        "import pdb\n"
+        "if nbddp.rank() == 1:\n"
+        "    pdb.set_trace()\n"
+        "torch.distributed.breakpoint()\n"
+        "torch.distributed.barrier()\n",
+        person,
+    )
+    out = plain(out)
+    assert reply["status"] == "ok", out
+    assert person.prompts == ["(Pdb rank 1) "] * 3 + ["(Pdb rank 0) "] * 2
+    assert "\n10\n" in out and "\n0\n" in out  # each pdb ran on its own rank
+    assert "  6  \ttorch.distributed.barrier()" in out  # l: the cell's source, as written
+    assert "-> torch.distributed.breakpoint()" in out and "-> torch.distributed.barrier()" in out
+
+
+def test_input_on_every_rank_with_output_all_and_on_rank_1_without_it(notebook):
+    notebook.run(
+        "def names():\n"
+        "    try:\n"
+        "        return input(f'name for rank {nbddp.rank()}? ')\n"
+        "    except EOFError as error:\n"
+        "        return str(error)\n"
+    )
+    prompts: list[str] = []
+
+    def typed(prompt: str) -> str:
+        prompts.append(prompt)
+        return "Ada" if "rank 0" in prompt else "Grace"
+
+    out, reply = notebook.run_answering(
+        f"print(nbddp.notebook_launch(names, {LAUNCH}, output='all', return_all=True))", typed
+    )
+    assert reply["status"] == "ok" and "['Ada', 'Grace']" in out, out
+    assert sorted(prompts) == ["name for rank 0? ", "name for rank 1? "]
+    prompts.clear()
+    out, reply = notebook.run_answering(
+        f"print(nbddp.notebook_launch(names, {LAUNCH}, return_all=True))", typed
+    )
+    assert reply["status"] == "ok" and prompts == ["name for rank 0? "], out
+    assert "'Ada', \"input() on rank 1: only the input() of a rank whose output" in out
