@@ -18,6 +18,15 @@ class Spawn(NamedTuple):
     env: dict[str, str]
 
 
+class Preload(NamedTuple):
+    """Kernel -> helper: modules the notebook imported (in their import order), to import
+    between launches; the notebook's ``sys.path``; packages or modules never to import."""
+
+    modules: list[str]
+    sys_path: list[str]
+    exclude: list[str]
+
+
 class Release(NamedTuple):
     """Kernel -> helper: the rank ended and was seen to end; reap it."""
 
@@ -28,6 +37,45 @@ class Ready(NamedTuple):
     """Helper -> kernel: torch is imported, requests are served from now on."""
 
     pid: int
+
+
+class Preloading(NamedTuple):
+    """Helper -> kernel: it imports ``module`` now (progress while a launch waits, and the
+    culprit's name if the helper hangs or dies there)."""
+
+    module: str
+
+
+class Preloaded(NamedTuple):
+    """Helper -> kernel: nothing left to import; ``modules``: how many it holds."""
+
+    modules: int
+
+
+class Unsafe(NamedTuple):
+    """Helper -> kernel: importing ``module`` made forking unsafe (``reason``: a thread, CUDA,
+    a process); the helper forks no more, the kernel starts a fresh one without it."""
+
+    module: str
+    reason: str
+
+
+class Handoff(NamedTuple):
+    """Helper -> a child it forked: become a rank running ``argv`` with ``env``, after dropping
+    the modules in ``drop`` (local ones edited since the helper imported them); the stdout and
+    stderr pipe ends ride on the frame."""
+
+    argv: list[str]
+    env: dict[str, str]
+    drop: list[str]
+
+
+class Imported(NamedTuple):
+    """A rank -> its helper, as it exits: the modules it imported that the helper lacks, and
+    its ``sys.path``."""
+
+    modules: list[str]
+    sys_path: list[str]
 
 
 class Spawned(NamedTuple):
