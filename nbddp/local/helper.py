@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 from nbddp.environment import WORKER_VARIABLE, without_launchers
 from nbddp.local.processes import signal_group
+from nbddp.wire.frames import Connection
 from nbddp.wire.helper import (
     Exited,
     Preload,
@@ -40,7 +41,6 @@ from nbddp.wire.helper import (
     SpawnFailed,
     Unsafe,
 )
-from nbddp.wire.frames import Connection
 from nbddp.worker.preload import EXCLUDE_VARIABLE, user_excluded
 
 REPLY_WAIT = 10.0  # seconds of silence from the helper before a launch gives up on it

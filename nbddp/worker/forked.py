@@ -19,8 +19,8 @@ import signal
 import socket
 import sys
 
-from nbddp.wire.helper import Handoff, Imported
 from nbddp.wire.frames import Connection
+from nbddp.wire.helper import Handoff, Imported
 from nbddp.worker.preload import drop, new_modules
 
 _PR_SET_PDEATHSIG = 1

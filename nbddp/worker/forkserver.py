@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 
+from nbddp.wire.frames import Connection
 from nbddp.wire.helper import (
     Exited,
     Handoff,
@@ -41,7 +42,6 @@ from nbddp.wire.helper import (
     SpawnFailed,
     Unsafe,
 )
-from nbddp.wire.frames import Connection
 from nbddp.worker import forked
 from nbddp.worker.preload import FIRST_STEP, Preloader, Safety, children
 from nbddp.worker.reaping import become_subreaper, exit_status, process_table, signal_each
