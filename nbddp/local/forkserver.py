@@ -38,7 +38,7 @@ from nbddp.errors import NbddpWarning
 from nbddp.local.helper import Helper
 from nbddp.local.mirror import Mirror, after_each_cell, in_a_notebook, kernel_path
 from nbddp.local.processes import ColdStarter, Starter, WorkerProcess
-from nbddp.worker.preload import mirroring
+from nbddp.worker.preload import mirroring, user_excluded
 
 READY_WAIT = 10.0  # seconds a launch waits for a starting helper before starting cold
 
@@ -97,9 +97,10 @@ class WarmStarter:
 
         def send() -> None:
             with mirror.lock, contextlib.suppress(OSError):
-                names = mirror.new_modules(self.excluded)
+                excluded = user_excluded() | set(self.excluded)  # the variable, as it is now
+                names = mirror.new_modules(excluded)
                 if names and helper.usable():
-                    helper.preload(names, kernel_path(), sorted(self.excluded))
+                    helper.preload(names, kernel_path(), sorted(excluded))
 
         if wait:
             send()

@@ -155,3 +155,20 @@ def test_a_module_whose_import_hangs_the_helper_is_left_out_of_the_next(kernel_w
     second = int(out.split()[-1])
     assert second != first and not running(first)
     assert out.splitlines()[-2] == f"[({second}, [False]), ({second}, [False])]"
+
+
+def test_a_module_named_in_nbddp_preload_exclude_and_matplotlib_are_left_to_the_ranks(
+    kernel_with,
+):
+    """A module whose import must not be repeated in the helper is named in the variable (set
+    in any cell before the import); matplotlib is never preloaded (it reads the backend nbddp
+    sets for ranks at import). A module imported beside them still is."""
+    kernel, helper = kernel_with(nbddp_excluded_probe="", nbddp_kept_probe="")
+    run(
+        kernel,
+        "os.environ['NBDDP_PRELOAD_EXCLUDE'] = 'nbddp_excluded_probe'\n"
+        "import nbddp_excluded_probe, nbddp_kept_probe, matplotlib.pyplot",
+    )
+    names = "'nbddp_excluded_probe', 'nbddp_kept_probe', 'matplotlib'"
+    out = run(kernel, f"print(launch(at_start, {names}))")
+    assert last(out) == f"[({helper}, [False, True, False]), ({helper}, [False, True, False])]"
