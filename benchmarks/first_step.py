@@ -11,6 +11,8 @@ launch was called in the kernel (and the whole launch, until it returned):
 
 * ``ddp``: a ``nn.Linear`` under DistributedDataParallel, one SGD step (the kernel imported
   torch, and lightning and accelerate for their launchers);
+* ``bert``: a tiny BERT built from a config (transformers) under DistributedDataParallel, one
+  AdamW step (the kernel also imported transformers' BERT classes);
 * ``hf``: HF Trainer's first step on a tiny BERT built from a config (the kernel also
   imported what the function uses from transformers, at the top of the cell, as a notebook does);
 * ``lightning``: a Lightning Trainer's first step (``strategy="ddp"`` under nbddp; the fork
@@ -63,6 +65,23 @@ def first_step(path):
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(8, 32)).sum().backward()
+    optimizer.step()
+    record(path)
+""",
+    "bert": """
+from transformers import BertConfig, BertForSequenceClassification
+
+def first_step(path):
+    import torch
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    config = BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=32, max_position_embeddings=32)
+    model = torch.nn.parallel.DistributedDataParallel(BertForSequenceClassification(config))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 100, (8, 16))
+    model(input_ids=ids, labels=ids[:, 0] % 2).loss.backward()
     optimizer.step()
     record(path)
 """,
@@ -146,7 +165,8 @@ def measure(name):
         return float(f.read()) - started, ended - started
 """
 
-FORK = {"ddp": "fabric", "hf": "fabric", "lightning": "lightning"}  # the fork baseline
+# the fork baseline of each workload
+FORK = {"ddp": "fabric", "bert": "fabric", "hf": "fabric", "lightning": "lightning"}
 
 
 def launchers(workload: str) -> list[str]:
