@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from nbddp.clusters.choice import resolve as resolve_cluster
-from nbddp.clusters.placement import place_on_cluster
+from nbddp.clusters.placement import Cluster, place_on_cluster
 from nbddp.environment import check_user_env
 from nbddp.wire.messages import Output
 from nbddp.wire.spec import JobSpec
@@ -51,7 +51,7 @@ class LaunchPlan:
     return_all: bool = False
     block: bool = True
     env: Mapping[str, str] = field(default_factory=dict)
-    cluster: Any = None  # a RayCluster or SlurmCluster, or None: this machine
+    cluster: Cluster | None = None  # a RayCluster or SlurmCluster, or None: this machine
     nodes: int = 1
     workers_per_node: int = 0  # on one machine: world_size
     exit_timeout: float = EXIT_TIMEOUT  # a rank's exit work's bound (NBDDP_EXIT_TIMEOUT)

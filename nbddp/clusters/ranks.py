@@ -234,14 +234,17 @@ class ClusterRanks:
 def cluster_ranks(plan: LaunchPlan, call: Call, session: bool = False) -> ClusterRanks:
     """The ranks of a launch (``session``: a session's) on ``plan.cluster``, with its engine."""
     from nbddp.clusters.ray.cluster import RayCluster
+    from nbddp.clusters.slurm.allocation import SlurmCluster
 
     engine: Engine
     if isinstance(plan.cluster, RayCluster):
         from nbddp.clusters.ray.engine import RayEngine
 
         engine = RayEngine(plan.cluster)
-    else:
+    elif isinstance(plan.cluster, SlurmCluster):
         from nbddp.clusters.slurm.engine import SlurmEngine
 
         engine = SlurmEngine(plan.cluster)
+    else:  # launch.ranks_for runs a plan without a cluster on this machine
+        raise TypeError(f"no engine for cluster={plan.cluster!r}")
     return ClusterRanks(plan, call, engine, session)
