@@ -199,7 +199,7 @@ class Received(NamedTuple):
     """A rank's message (Rows, Result, Failed, ...), with the frame's buffers."""
 
     rank: int
-    message: Any
+    message: Message
     buffers: list[Any]
 
 
