@@ -219,10 +219,23 @@ def test_stop_timeout_and_rank_0s_output_on_the_allocation(slurm, tmp_path):
             nbddp.log(step=1)
             time.sleep(300)
 
+        import threading
+
+        class Heard:  # this kernel's stdout, which sets ``hello`` as rank 0's greeting comes
+            def __init__(self, stream):
+                self.stream = stream
+            def write(self, text):
+                if "rank 0 says hello" in text:
+                    hello.set()
+                return self.stream.write(text)
+            def __getattr__(self, name):
+                return getattr(self.stream, name)
+
+        hello = threading.Event()
+        sys.stdout = Heard(sys.stdout)  # where the launch sends rank 0's output
         run = nbddp.notebook_launch(sleeps, cluster="slurm", block=False, display="none")
-        while run.status != "running":
-            time.sleep(0.1)
-        time.sleep(1)
+        assert hello.wait(120), "rank 0's output never came"
+        sys.stdout = sys.stdout.stream
         started = time.monotonic()
         stopped = run.stop()
         took_stop = time.monotonic() - started
@@ -397,7 +410,9 @@ def test_an_interrupt_ends_every_rank_on_both_nodes(slurm, tmp_path):
             nbddp.notebook_launch(sleeps, cluster="slurm", display="none")
         except KeyboardInterrupt:
             print("INTERRUPTED", flush=True)
-            time.sleep(3)  # still alive while the test looks for the ranks
+            deadline = time.monotonic() + 60  # alive until the test has looked for the ranks
+            while not os.path.exists({str(tmp_path / "looked")!r}) and time.monotonic() < deadline:
+                time.sleep(0.05)
         """,
     )
     proc = subprocess.Popen(
@@ -419,6 +434,7 @@ def test_an_interrupt_ends_every_rank_on_both_nodes(slurm, tmp_path):
         lines = iter(proc.stdout.readline, "")  # the ranks' own output may come first
         assert "INTERRUPTED" in (line.strip() for line in lines)
         assert [pid for pid in ranks if _running(pid)] == [], "ranks outlived the interrupt"
+        (tmp_path / "looked").touch()
         proc.communicate(timeout=60)
         assert proc.returncode == 0
     finally:
