@@ -323,7 +323,7 @@ def test_a_ranks_pdb_on_the_second_node_is_answered_in_the_kernel(slurm, tmp_pat
         from nbddp.diagnosis import input_box
 
         input_box.missing = lambda: ""  # this script's stand-in for the notebook's input box
-        typed, prompts = iter(["p x, os.environ['GROUP_RANK']", "c"]), []
+        typed, prompts = iter(["import os", "p x, os.environ['GROUP_RANK']", "c"]), []
         builtins.input = lambda prompt="": (prompts.append(prompt), next(typed))[1]
 
         def stops():
@@ -337,7 +337,7 @@ def test_a_ranks_pdb_on_the_second_node_is_answered_in_the_kernel(slurm, tmp_pat
         print("RESULT " + json.dumps([value, prompts]))
         """,
     )
-    assert result == [100, ["(Pdb rank 1) "] * 2]
+    assert result == [100, ["(Pdb rank 1) "] * 3]
     assert "(101, '1')" in done.stdout and "-> return x" in done.stdout  # rank 1, node 1
 
 
