@@ -6,7 +6,8 @@ Kernel side: :func:`notebook_launch`, :func:`spawn` (``mp.spawn``'s shape), :cla
 Worker side (inside the launched function; each also works outside a launch as rank 0 of 1):
 :func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
 :func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`,
-:func:`log`, :func:`progress`, :func:`breakpoint` (pdb on one rank, the others held).
+:func:`log`, :func:`progress`, :func:`stopping`, :func:`checkpoint`, :func:`restore`,
+:func:`breakpoint` (pdb on one rank, the others held).
 
 The kernel-side names are imported on first use, so a rank (or a script that only asks
 ``nbddp.rank()``) never loads the launcher, the display or IPython.
@@ -25,10 +26,13 @@ from nbddp.errors import (
     SerializationError,
     WorkerError,
 )
+from nbddp.worker.checkpoints import checkpoint, restore
 from nbddp.worker.context import barrier, device, is_main, local_rank, print, rank, world_size
 from nbddp.worker.debugger import breakpoint
-from nbddp.worker.live import log, progress
+from nbddp.worker.live import log
 from nbddp.worker.prepare import prepare_loader, prepare_model, unwrap
+from nbddp.worker.progress import progress
+from nbddp.worker.stopping import stopping
 
 __all__ = [
     "LaunchTimeout",
@@ -44,6 +48,7 @@ __all__ = [
     "WorkerError",
     "barrier",
     "breakpoint",
+    "checkpoint",
     "device",
     "export",
     "is_main",
@@ -56,8 +61,10 @@ __all__ = [
     "print",
     "progress",
     "rank",
+    "restore",
     "set_cluster",
     "spawn",
+    "stopping",
     "unwrap",
     "world_size",
 ]

@@ -52,6 +52,8 @@ class Outcome(NamedTuple):
     error: BaseException | None = None
     warning: str | None = None  # a run that succeeded, but not as one DDP job (rules/sync.py)
     exit_warnings: tuple[str, ...] = ()  # what went wrong in the ranks' exit handlers
+    graceful: str | None = None  # a run stopped gracefully: at which step and why (its value
+    # is fn's)
 
 
 class RunEvents(Protocol):
@@ -91,6 +93,15 @@ class RunEvents(Protocol):
     def left_pdb(self, rank: int, left: LeftPdb | None) -> None:
         """A rank left pdb (None: it ended); the ranks it held may go on (``Backend.tell``)."""
 
+    def checkpointed(self, step: int, path: str, seconds: float, restored: bool = False) -> None:
+        """Rank 0 saved the checkpoint of ``step`` at ``path`` (or ``restored`` it)."""
+
+    def stopping(self, why: str) -> None:
+        """A graceful stop was asked (``why``: by what); the ranks agree on a step."""
+
+    def restarted(self, attempt: int, of: int, cause: BaseException) -> None:
+        """The whole world was restarted after ``cause`` (``attempt`` of ``of``)."""
+
 
 Finish = Callable[[Outcome], None]
 
@@ -109,6 +120,11 @@ class Backend(Protocol):
 
     def stop(self) -> None:
         """Ask for the end; ``finish`` then reports "stopped" (unless it already ended)."""
+
+    def stop_gracefully(self, why: str) -> None:
+        """Ask every rank to stop at one step boundary (``why``: by what, for the panel and
+        the warning); a run that does not check, or not within its ``stop_grace``, is ended
+        at once instead, as by :meth:`stop`."""
 
     def ask(self, message: AskStacks) -> None:
         """Send a roll-call to every rank; each answers through ``RunEvents.stacks``."""

@@ -13,6 +13,7 @@ from nbddp.backend import Backend, Ranks
 from nbddp.local.in_kernel import InKernel, device_name
 from nbddp.local.ranks import local_ranks
 from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan
+from nbddp.recovery import KEEP, STOP_GRACE, default_checkpoint_dir
 from nbddp.run import Run, remember
 from nbddp.supervised import Supervised
 from nbddp.wire.call import Call, dumps_call
@@ -39,6 +40,10 @@ def notebook_launch(
     workers_per_node: int | str = "auto",
     stall_after: float | None = STALL_AFTER,
     debug: bool = False,
+    checkpoint_dir: Any = None,
+    keep: int = KEEP,
+    max_restarts: int = 0,
+    stop_grace: float = STOP_GRACE,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank of a DDP job started from the notebook.
 
@@ -83,6 +88,14 @@ def notebook_launch(
         stall_after: Seconds without progress on any rank (log rows, bars, output, CPU time)
             before the panel shows where each rank is; None turns the banner off. Nothing is
             killed.
+        checkpoint_dir: Where [nbddp.checkpoint][] saves; None: a directory named after
+            ``fn`` under ``./nbddp-checkpoints/``, the same at its next launch, so that
+            [nbddp.restore][] resumes it.
+        keep: How many complete checkpoints stay (the last ones).
+        max_restarts: A failing rank (or a lost node) restarts the whole world, up to this
+            many times; [nbddp.restore][] in ``fn`` then resumes from the last checkpoint.
+        stop_grace: Seconds a graceful stop (Stop, the first interrupt, ``timeout``) may
+            take before the ranks are ended at once.
 
         debug: True: an uncaught exception on a rank opens post-mortem pdb at the frame that
             raised, in the notebook's input box, the other ranks held, before the run fails as
@@ -92,13 +105,16 @@ def notebook_launch(
     Returns:
         Rank 0's return value, with tensors on the CPU and DDP wrappers unwrapped (a list of
             every rank's with ``return_all=True``; the [nbddp.Run][] with ``block=False``).
+            A run stopped gracefully returns what ``fn`` returned, with an
+            [nbddp.NbddpWarning][] saying at which step and why.
 
     Raises:
         ValueError: An argument is invalid (before any process starts).
         nbddp.WorkerError: A rank failed; also an instance of the rank's own exception class
             when it can be rebuilt.
         nbddp.SerializationError: ``fn`` or what it captures cannot travel to the ranks.
-        nbddp.LaunchTimeout: The run took longer than ``timeout``.
+        nbddp.LaunchTimeout: The run took longer than ``timeout`` (plus ``stop_grace`` for a
+            run that checks [nbddp.stopping][], which is first stopped gracefully).
     """
     __tracebackhide__ = True  # IPython: show the user's frames, not ours
     interrupts.reached("planning")
@@ -119,6 +135,12 @@ def notebook_launch(
         workers_per_node=workers_per_node,
         stall_after=stall_after,
         debug=debug,
+        checkpoint_dir=default_checkpoint_dir(_name(fn))
+        if checkpoint_dir is None
+        else checkpoint_dir,
+        keep=keep,
+        max_restarts=max_restarts,
+        stop_grace=stop_grace,
     )
     return launch_plan(fn, tuple(args), dict(kwargs or {}), plan)
 
@@ -226,6 +248,8 @@ def check_call(fn: Any, args: Any, kwargs: Any) -> None:
 
 
 def _name(fn: Any) -> str:
+    if isinstance(fn, LocalRankFirst):  # nbddp.spawn's: the user's function is inside
+        fn = fn.fn
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
@@ -255,15 +279,20 @@ def _backend_for(
     """The backend and the device's name for the header; raises before anything starts."""
     if plan.in_kernel:
         return InKernel(plan, fn, args, kwargs), device_name(plan)
-    # on a cluster the engine carries the bytes; here a SerializationError before any process
+
+    def ranks() -> Ranks:
+        # on a cluster the engine carries the bytes; here a SerializationError before any
+        # process
+        call = dumps_call(fn, args, kwargs, names, segment=plan.cluster is None)
+        try:
+            return ranks_for(plan, call)
+        except BaseException:
+            call.close()
+            raise
+
+    remake = ranks if plan.max_restarts else None  # a restart's world: the call pickled anew
     interrupts.reached("pickling")
-    call = dumps_call(fn, args, kwargs, names, segment=plan.cluster is None)
-    try:
-        ranks = ranks_for(plan, call)
-    except BaseException:
-        call.close()
-        raise
-    return Supervised(plan, ranks), "cpu" if plan.device == "cpu" else "GPU"
+    return Supervised(plan, ranks(), remake), "cpu" if plan.device == "cpu" else "GPU"
 
 
 def ranks_for(plan: LaunchPlan, call: Call, session: bool = False) -> Ranks:

@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 from nbddp.clusters.choice import resolve as resolve_cluster
 from nbddp.clusters.placement import Cluster, place_on_cluster
 from nbddp.environment import check_user_env
+from nbddp.recovery import KEEP, STOP_GRACE, check_stopping
 from nbddp.wire.messages import Output
 from nbddp.wire.spec import JobSpec
 
@@ -57,6 +58,10 @@ class LaunchPlan:
     exit_timeout: float = EXIT_TIMEOUT  # a rank's exit work's bound (NBDDP_EXIT_TIMEOUT)
     stall_after: float | None = STALL_AFTER  # seconds without progress before the banner
     debug: bool = False  # an uncaught exception on a rank opens post-mortem pdb first
+    checkpoint_dir: str = ""  # absolute; "": the ranks' default (outside notebook_launch)
+    keep: int = KEEP  # complete checkpoints kept
+    max_restarts: int = 0  # whole-world restarts after a failure
+    stop_grace: float = STOP_GRACE  # seconds a graceful stop may take
 
     @property
     def in_kernel(self) -> bool:
@@ -110,6 +115,10 @@ def make_plan(
     workers_per_node: int | str = "auto",
     stall_after: float | None = STALL_AFTER,
     debug: bool = False,
+    checkpoint_dir: Any = None,
+    keep: int = KEEP,
+    max_restarts: int = 0,
+    stop_grace: float = STOP_GRACE,
     gpu_count: int | None = None,
 ) -> LaunchPlan:
     """Validate and resolve the launch options. ``gpu_count`` overrides detection (tests)."""
@@ -159,6 +168,7 @@ def make_plan(
 
     _check_run_options(timeout, display, output, return_all, block, debug)
     stall = check_stall_after(stall_after)
+    stopping = check_stopping(checkpoint_dir, keep, max_restarts, stop_grace)
     return LaunchPlan(
         world_size=workers,
         device=resolved_device,
@@ -176,6 +186,7 @@ def make_plan(
         exit_timeout=exit_timeout(),
         stall_after=stall,
         debug=debug,
+        **stopping,
     )
 
 

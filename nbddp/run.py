@@ -7,25 +7,20 @@ state model and the live view, starts the backend, and is told the outcome once.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from nbddp import interrupts
 from nbddp.backend import Backend, Outcome, Status
 from nbddp.diagnosis import input_box
+from nbddp.diagnosis.rollcalls import RollCalls
 from nbddp.diagnosis.stacks import Stacks
-from nbddp.diagnosis.stall import StallWatch
 from nbddp.display import LiveDisplay
 from nbddp.display.rich import RichOutputs
 from nbddp.display.state import RunState
 from nbddp.errors import LaunchTimeout, RunStopped
 from nbddp.errors.notices import warn_always
 from nbddp.plan import LaunchPlan
-from nbddp.wire.stacks import AskStacks
-
-NATIVE_WAIT = 25.0  # more seconds ranks get to answer with py-spy's native frames
-TIMEOUT_LEAD = 2.0  # seconds before a timeout at which the roll-call for err.stacks is taken
 
 _last: Run | None = None
 
@@ -70,11 +65,15 @@ class Run:
         self._done = threading.Event()
         self._finish_lock = threading.Lock()
         self._warned = False
-        self._watch: StallWatch | None = None
-        self._timer: threading.Timer | None = None
-        self._last_stacks: Stacks | None = None  # taken just before a timeout
-        self._stop_stacks: Stacks | None = None  # taken as a stalled run is stopped
-        self._stop_asked = False
+        self._rollcalls = RollCalls(
+            plan.world_size,
+            self._state.answers,
+            backend.ask,
+            self._state.show_where,
+            lambda: self._done.is_set() or self._outcome is not None,
+        )
+        self._graceful_asked = False
+        self._started = False  # the backend's start returned: the ranks run
 
     def start(self) -> None:
         """Show the live view and start the backend; raises if the ranks cannot start."""
@@ -84,7 +83,11 @@ class Run:
             if plan.display != "none":
                 with interrupts.deferred():  # a display thread is closed by _finish, never lost
                     self._display = LiveDisplay(
-                        self._state, plan.display, self.stop, plan.block, self._where_button
+                        self._state,
+                        plan.display,
+                        self._stop_button,
+                        plan.block,
+                        self._rollcalls.where_button,
                     )
                 # The live widget shows the ranks' output in its panel, not below it.
                 self._state.panel_output = self._display.mode == "widget"
@@ -95,6 +98,7 @@ class Run:
         except BaseException as exc:
             self._finish(Outcome("failed", error=exc))
             raise
+        self._started = True
         # The ranks run from here on, and only the backend may say they ended: an interrupt
         # below must stop them first (finishing the run here used to leave them running).
         try:
@@ -106,28 +110,10 @@ class Run:
 
     def _watch_for_stalls(self) -> None:
         """The stall banner, and a roll-call just before the timeout ends the ranks."""
-        plan = self._plan
-        if self._done.is_set():
-            return
-        if plan.stall_after is not None:
-            self._watch = StallWatch(
-                plan.stall_after, lambda: self._state.progress_mark, self._ask, self._show_stall
-            )
-        if plan.timeout is not None:
-            lead = min(TIMEOUT_LEAD, plan.timeout / 2)
-            self._timer = threading.Timer(plan.timeout - lead, self._before_timeout, (lead,))
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _show_stall(self, stacks: Stacks | None, quiet: float) -> None:
-        if stacks is None:
-            self._state.show_where("")
-        else:
-            self._state.show_where(stacks.rollcall(), time.time() - quiet)
-
-    def _before_timeout(self, lead: float) -> None:
         if not self._done.is_set():
-            self._last_stacks = self._ask(lead * 0.8)
+            plan = self._plan
+            progress = lambda: self._state.progress_mark  # noqa: E731
+            self._rollcalls.start(plan.stall_after, plan.timeout, progress)
 
     def stacks(self, timeout: float = 5.0, native: bool = False) -> Stacks:
         """Where every rank (and each of its threads) is right now: an [nbddp.Stacks][],
@@ -135,35 +121,12 @@ class Run:
         is in, notebook frames as ``Cell In[n], line m``). Ranks that do not answer within
         ``timeout`` seconds are left out and named. ``native=True`` adds py-spy's native
         frames where py-spy is installed and may attach."""
-        return self._ask(timeout, native)
-
-    def _where_button(self) -> None:
-        stacks = self._ask(5.0)
-        if not self._done.is_set():
-            stamp = time.strftime("%H:%M:%S", time.localtime(stacks.taken_at))
-            self._state.show_where(f"Where the ranks were at {stamp}:\n{stacks.rollcall()}")
-
-    def _ask(self, timeout: float, native: bool = False) -> Stacks:
-        if self._done.is_set() or self._outcome is not None:
-            return Stacks(self.world_size, {}, note="the run has ended: there is no rank to ask")
-        answers = self._state.answers
-        query = answers.open()
-        self._runner.ask(AskStacks(query, native))
-        return Stacks(
-            self.world_size, answers.wait(query, timeout + (NATIVE_WAIT if native else 0))
-        )
+        return self._rollcalls.ask(timeout, native)
 
     @property
     def stacks_at_stop(self) -> Stacks | None:
         """Where the ranks were when a run that had stalled was stopped (else None)."""
-        return self._stop_stacks
-
-    def _stacks_if_stalled(self, timeout: float = 2.0) -> None:
-        """Once, as the run is stopped: a fresh roll-call if its stall banner shows."""
-        if self._stop_asked or self._watch is None or self._watch.stalled is None:
-            return
-        self._stop_asked = True
-        self._stop_stacks = self._ask(timeout)
+        return self._rollcalls.at_stop
 
     @property
     def status(self) -> Status:
@@ -200,13 +163,32 @@ class Run:
                 return self
             self.wait()
         except KeyboardInterrupt as interrupt:
-            self.stop_despite_interrupts(interrupt)
-            if ended is not None:
-                ended("the interrupt")
-            raise
+            self._after_an_interrupt(interrupt, ended)
         if ended is not None:
             ended(None)
         return self.result()
+
+    def _after_an_interrupt(
+        self, interrupt: KeyboardInterrupt, ended: Callable[[str | None], None] | None
+    ) -> None:
+        """The first interrupt of a running launch asks for a graceful stop and waits for it
+        (the run's value is then the result); any other interrupt, or a run that cannot stop
+        gracefully, ends the ranks at once and raises."""
+        __tracebackhide__ = True
+        graceful = not self._done.is_set() and not self._graceful_asked and self._started
+        if graceful:
+            self.stop(timeout=0, graceful=True, why="the interrupt (■)")
+            try:
+                self.wait()
+            except KeyboardInterrupt as second:
+                interrupt = second
+                graceful = False
+        if graceful and self._outcome is not None and self._outcome.graceful is not None:
+            return  # the ranks stopped at one step: the result is fn's value
+        self.stop_despite_interrupts(interrupt)
+        if ended is not None:
+            ended("the interrupt")
+        raise interrupt
 
     def stop_despite_interrupts(self, interrupt: KeyboardInterrupt | None = None) -> None:
         """A second Ctrl-C must not leave ranks behind: keep waiting for the teardown. A run
@@ -244,8 +226,11 @@ class Run:
             warn_always(message)
         if self._outcome.error is not None:
             raise self._outcome.error.with_traceback(None)  # fresh each time: no frames pile up
-        if self._outcome.status == "stopped":
-            raise RunStopped(self._stop_stacks)
+        if self._outcome.graceful is not None and not self._warned:
+            self._warned = True  # stopped gracefully: fn's value, with where and why
+            warn_always(self._outcome.graceful)
+        if self._outcome.status == "stopped" and self._outcome.graceful is None:
+            raise RunStopped(self._rollcalls.at_stop)
         if self._outcome.warning is not None and not self._warned:
             self._warned = True  # once per run, wherever its result is asked for
             warn_always(self._outcome.warning)
@@ -257,28 +242,66 @@ class Run:
         never communicated), or None; also shown by the panel and as an ``NbddpWarning``."""
         return self._outcome.warning if self._outcome is not None else None
 
-    def stop(self, timeout: float | None = 30.0) -> bool:
-        """Terminate every rank; the status becomes "stopped". Returns True once they are
-        gone, False if ``timeout`` seconds passed first."""
+    def stop(
+        self,
+        timeout: float | None = 30.0,
+        *,
+        graceful: bool = False,
+        why: str = "run.stop(graceful=True)",
+    ) -> bool:
+        """End the run; the status becomes "stopped".
+
+        Args:
+            timeout: Seconds to wait for the end (None: as long as it takes).
+            graceful: Ask every rank to stop at the same step boundary, where
+                [nbddp.stopping][] turns True and [nbddp.progress][] ends its loop; the
+                function then returns (and may save), and its value is the result. A run
+                that does not check, or not within ``stop_grace``, is ended at once.
+                False: terminate every rank now.
+            why: What asked for it, as the panel and the warning say.
+
+        Returns:
+            True once the ranks are gone, False if ``timeout`` seconds passed first.
+        """
         if self._done.is_set():
             return True
-        self._stacks_if_stalled()  # what a stalled run was doing, for RunStopped.stacks
+        self._rollcalls.if_stalled()  # what a stalled run was doing, for RunStopped.stacks
+        if graceful and not self._graceful_asked:
+            self._graceful_asked = True
+            self._runner.stop_gracefully(why)
+            return self._done.wait(timeout)
         self._runner.stop()
         return self._done.wait(timeout)
+
+    def _stop_button(self) -> None:
+        """The panel's Stop: first a graceful stop, a second click ends the ranks at once."""
+        graceful = not self._graceful_asked
+        threading.Thread(
+            target=self.stop,
+            kwargs={"timeout": None, "graceful": graceful, "why": "the Stop button"},
+            name="nbddp-stop",
+            daemon=True,
+        ).start()
+
+    @property
+    def restarts(self) -> list[tuple[float, BaseException]]:
+        """Each restart of the whole world (``max_restarts``): ``(time.time(), cause)``,
+        the cause being the [nbddp.WorkerError][] (or a lost node's error) that caused it."""
+        return list(self._state.restarts)
 
     def _finish(self, outcome: Outcome) -> None:
         with interrupts.deferred(), self._finish_lock:  # whole, or a later wait() would hang
             if self._outcome is not None:
                 return
             interrupts.reached("finishing")
-            for helper in (self._watch, self._timer):
-                if helper is not None:
-                    helper.cancel()
+            self._rollcalls.cancel()
             if isinstance(outcome.error, LaunchTimeout):
-                outcome.error.stacks = self._last_stacks
+                outcome.error.stacks = self._rollcalls.before_timeout
             self._prompts.close()  # a question still in the input box has no one to go to
             try:
-                self._state.finish(outcome.status, outcome.error, outcome.warning)
+                self._state.finish(
+                    outcome.status, outcome.error, outcome.warning or outcome.graceful
+                )
                 if self._display is not None:  # the final panel is drawn before anyone is told
                     self._display.close()
             finally:

@@ -115,3 +115,26 @@ def test_a_cuda_tensor_changed_in_place_after_log_keeps_the_logged_value():
     )
     run.wait()
     assert [row["total"] for row in run.history] == [float(i) for i in range(1, 301)]
+
+
+def saves_on_the_gpu(steps: int) -> torch.Tensor:
+    model = nbddp.prepare_model(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.Adam(model.parameters())
+    state = {"model": model, "optimizer": optimizer}
+    start = nbddp.restore(state) or 0
+    for _ in range(start, steps):
+        x = torch.randn(8, 4, device=nbddp.device())
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    nbddp.checkpoint(state, step=steps)
+    return nbddp.unwrap(model).weight.detach()
+
+
+def test_checkpoints_of_cuda_ranks_restore_onto_their_devices(tmp_path):
+    """DCP over the ranks' GPUs (NCCL where there are two, gloo sharing one otherwise)."""
+    two = {"gpus": [0, 1]} if torch.cuda.device_count() > 1 else {"gpus": [0, 0], "backend": "gloo"}
+    options = {**two, "display": "none", "checkpoint_dir": tmp_path}
+    saved = nbddp.notebook_launch(saves_on_the_gpu, (3,), **options)
+    again = nbddp.notebook_launch(saves_on_the_gpu, (3,), **options)  # restored, nothing to train
+    assert torch.equal(saved, again) and saved.device.type == "cpu"

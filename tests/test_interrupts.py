@@ -275,3 +275,23 @@ def test_an_interrupt_in_each_phase_of_the_kernels_own_run_restores_the_kernel(p
     assert "RANK" not in os.environ and "NBDDP_RUN_ID" not in os.environ
     assert live._buffer is None
     assert nbddp.notebook_launch(abs, (-2,), num_workers=1, display="none") == 2
+
+
+def interrupts_itself_at_step_3() -> int:
+    for step in nbddp.progress(range(10_000)):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # the kernel's own run: this is its main thread
+    return step
+
+
+def test_an_interrupt_once_the_kernels_own_run_checks_stops_it_gracefully_and_restores_it():
+    """The first interrupt of a run that checks (nbddp.progress) is a graceful stop at its next
+    check: fn's value, a warning, and the kernel as it was."""
+    with pytest.warns(nbddp.NbddpWarning, match="stopped gracefully at step"):
+        step = nbddp.notebook_launch(interrupts_itself_at_step_3, num_workers=1, display="none")
+    assert step == 3
+    assert not dist.is_initialized()
+    assert "RANK" not in os.environ and "NBDDP_RUN_ID" not in os.environ
+    assert live._buffer is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert nbddp.notebook_launch(abs, (-2,), num_workers=1, display="none") == 2

@@ -51,6 +51,12 @@ def header_html(s: RunSnapshot) -> str:
             f'<div class="nbddp-warning" style="color:{_COLORS["stopped"]};margin-top:2px">'
             f"⚠ {html.escape(s.warning)}</div>"
         )
+    for note in s.recovery:  # a graceful stop under way, restarts, checkpoints
+        color = _COLORS["stopped"] if note.startswith(("stopping", "restart")) else "#6b7280"
+        line += (
+            f'<div class="nbddp-recovery" style="color:{color};margin-top:2px">'
+            f"{html.escape(note)}</div>"
+        )
     return f'<div style="{_FONT}">{line}</div>'
 
 

@@ -17,9 +17,11 @@ from nbddp.backend import Status
 from nbddp.diagnosis.answers import Answers
 from nbddp.diagnosis.prompts import Prompts
 from nbddp.display.metrics import History, MetricsAggregator
+from nbddp.display.recovery import Recovery
 from nbddp.display.rich import RichOutputs
 from nbddp.display.terminal import LineWindow
 from nbddp.display.transcript import Transcript
+from nbddp.errors.render import first_line
 from nbddp.wire.messages import BarSnapshot, Block, Display
 from nbddp.wire.prompts import LeftPdb, Prompt
 from nbddp.wire.stacks import StackReport
@@ -69,6 +71,7 @@ class RunSnapshot(NamedTuple):
     in_pdb: tuple[int, ...] = ()  # ranks stopped in pdb
     asking: tuple[int, ...] = ()  # ranks waiting for a line typed in the notebook
     answered: bool = True  # a thread is there to ask the notebook (else: run.wait())
+    recovery: tuple[str, ...] = ()  # a graceful stop under way, restarts, checkpoints
 
     @property
     def pdb_line(self) -> str:
@@ -132,6 +135,8 @@ class RunState:
         self.last_progress = self.started_at  # monotonic: the last row, bar or output
         self._where = ""
         self._stalled_since: float | None = None
+        self._recovery = Recovery()
+        self.restarts: list[tuple[float, BaseException]] = []  # (time.time(), cause)
         self.version = 0
         self.changed = threading.Condition()
 
@@ -229,6 +234,24 @@ class RunState:
             return time.monotonic()
         return self.last_progress
 
+    # the RunEvents of stopping well (backend.py says what each means)
+    def checkpointed(self, step: int, path: str, seconds: float, restored: bool = False) -> None:
+        with self.changed:
+            self._recovery.checkpoint(step, path, seconds, restored)
+            self._bump()
+
+    def stopping(self, why: str) -> None:
+        with self.changed:
+            self._recovery.stopping = why
+            self._bump()
+
+    def restarted(self, attempt: int, of: int, cause: BaseException) -> None:
+        with self.changed:
+            self.restarts.append((time.time(), cause))
+            self._recovery.restarted(attempt, of, first_line(cause))
+            self._recovery.stopping = ""
+            self._bump()
+
     def show_where(self, text: str, stalled_since: float | None = None) -> None:
         """Show a roll-call in the panel; ``stalled_since`` (wall time): as the stall banner."""
         with self.changed:
@@ -283,6 +306,7 @@ class RunState:
                 stalled_since=self._stalled_since,
                 output_head=self._transcript.head_text() if final else "",
                 output_file=self._transcript.file if final else "",
+                recovery=self._recovery.lines(self.ended is not None),
             )
 
     def history_rows(self) -> list[dict[str, Any]]:
@@ -323,11 +347,3 @@ def _rate(previous: ShownBar | None, bar: BarSnapshot) -> float | None:
 
 def _ranks(ranks: tuple[int, ...] | list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-def first_line(error: BaseException) -> str:
-    try:
-        text = str(error).strip().splitlines()
-    except Exception:
-        text = []
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

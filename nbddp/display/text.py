@@ -70,6 +70,7 @@ def status_line(s: RunSnapshot) -> str:
         parts.append(s.finishing_line)
     if s.pdb_line:
         parts.append(s.pdb_line)
+    parts += [note for note in s.recovery if note.startswith("stopping")]
     return " | ".join(parts) if len(parts) > 1 else ""
 
 
@@ -90,7 +91,7 @@ def summary_text(s: RunSnapshot) -> str:
         summary += f"\n  {s.error_line}"
     if s.warning:
         summary += f"\n  warning: {s.warning}"
-    for note in s.notes:
+    for note in (*s.recovery, *s.notes):
         summary += f"\n  note: {note}"
     return summary
 

@@ -64,3 +64,12 @@ def describe_exit(exitcode: int | None) -> str:
     if exitcode == 0:
         return "exited with code 0 without returning a value (did it call os._exit(0)?)"
     return f"exited with code {exitcode} without a Python traceback (os._exit or a native crash)"
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: the message's first line`` (a panel's or a list's one line for an error)."""
+    try:
+        text = str(error).strip().splitlines()
+    except Exception:
+        text = []
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

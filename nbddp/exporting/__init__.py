@@ -26,6 +26,7 @@ from typing import Any
 
 from nbddp.exporting import pickling
 from nbddp.exporting.script import Layout, cell_body, function_body, sbatch_text, script_text
+from nbddp.recovery import exported_recovery
 
 __all__ = ["export", "export_cell"]
 
@@ -40,6 +41,8 @@ def export(
     device: str = "auto",
     nodes: int = 1,
     sbatch: bool = True,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    max_restarts: int = 0,
 ) -> list[str]:
     """Write ``fn(*args, **kwargs)`` as a script that torchrun runs with the same result as
     ``notebook_launch(fn, args, kwargs, num_workers=..., device=...)``; return the paths
@@ -61,7 +64,12 @@ def export(
         device: "auto", "cuda" or "cpu". ``device="cuda"`` may be asked for where no GPU is
             visible (a login node) when ``num_workers`` says how many ranks.
         nodes: How many nodes the Slurm batch file asks for.
-        sbatch: Also write the Slurm batch file (``srun torchrun``, one per node).
+        sbatch: Also write the Slurm batch file (``srun torchrun``, one per node), with
+            the signal before the time limit and a requeue that resumes.
+        checkpoint_dir: Where ``nbddp.checkpoint`` saves in the script (default: the
+            directory ``notebook_launch(fn)`` uses, so a run there resumes the notebook's).
+        max_restarts: torchrun's ``--max-restarts``: a failing rank restarts the world, and
+            ``nbddp.restore`` resumes it.
 
     Returns:
         The paths written, script first.
@@ -82,6 +90,7 @@ def export(
     if not isinstance(sbatch, bool):
         raise ValueError(f"export: sbatch={sbatch!r} must be True or False.")
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    recovery = exported_recovery(checkpoint_dir, max_restarts, name)
     call = (fn, args, dict(kwargs or {}))
     stream = pickling.dumps_checked(
         {"call": call, "sources": _notebook_sources()},
@@ -96,7 +105,7 @@ def export(
         script,
         stream,
         layout,
-        export={"kind": "function", "what": f"{name}(*args, **kwargs)"},
+        export={"kind": "function", "what": f"{name}(*args, **kwargs)", **recovery},
         origin=_origin_of(fn),
         body=function_body(),
         shown_source=source,
@@ -116,12 +125,17 @@ def export_cell(
     num_workers: int | str = "auto",
     device: str = "auto",
     nodes: int = 1,
+    checkpoint_dir: str | None = None,
+    max_restarts: int = 0,
+    name: str = "cell",
 ) -> tuple[list[str], str]:
     """``%%ddp --export PATH``: the cell's own lines in the script, the notebook names it
     reads in the payload; rank 0 saves the names it assigns (what ``%%ddp`` brings back).
-    Returns the paths written and the command that runs the script here."""
+    Returns the paths written and the command that runs the script here. ``name``: the
+    cell's, for its default checkpoint directory."""
     script = script_path(path)
     layout = resolve_layout(num_workers, device, nodes)
+    recovery = exported_recovery(checkpoint_dir, max_restarts, name)
     stream = pickling.dumps_checked(
         {"inputs": dict(inputs), "sources": _notebook_sources()},
         what=f"the cell to {script.name}",
@@ -131,7 +145,12 @@ def export_cell(
         script,
         stream,
         layout,
-        export={"kind": "cell", "what": f"the %%ddp cell {label}", "out_names": out_names},
+        export={
+            "kind": "cell",
+            "what": f"the %%ddp cell {label}",
+            "out_names": out_names,
+            **recovery,
+        },
         origin=f"{_notebook()}, {label}",
         body=cell_body(source, label, shows_last),
         shown_source=None,
@@ -232,12 +251,19 @@ def _write(
     _atomic_write(payload, stream)
     if batch is not None:
         job = "".join(c if c.isalnum() or c in "-_" else "_" for c in script.stem)
-        _atomic_write(
-            batch, sbatch_text(script=script, layout=layout, origin=origin, job=job).encode()
+        text_of_batch = sbatch_text(
+            script=script,
+            layout=layout,
+            origin=origin,
+            job=job,
+            checkpoint_dir=export["checkpoint_dir"],
+            max_restarts=export["max_restarts"],
         )
+        _atomic_write(batch, text_of_batch.encode())
         written.append(batch)
     _atomic_write(script, text.encode(), mode=0o700)  # runs as `python script.py` too
-    command = f"torchrun --standalone --nproc-per-node {layout.per_node} {script.name}"
+    restarts = f" --max-restarts {export['max_restarts']}" if export["max_restarts"] else ""
+    command = f"torchrun --standalone{restarts} --nproc-per-node {layout.per_node} {script.name}"
     if layout.nodes > 1:
         command = f"sbatch {batch.name}" if batch is not None else command + " (on every node)"
     return [str(script), *map(str, written)], command

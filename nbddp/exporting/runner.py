@@ -6,9 +6,15 @@ This file is copied whole into each exported script, which must run where nbddp'
 is absent: it imports only the standard library, torch and cloudpickle, never nbddp. Its one
 top-level name is :class:`NbddpScript` (a cell's own names share the script's namespace).
 
+Where nbddp is importable, a graceful stop works here too: ``nbddp.checkpoint`` saves into
+the checkpoint directory the notebook's launch used (``NBDDP_CHECKPOINT_DIR`` overrides it),
+and SIGTERM or the batch file's stop file (Slurm's signal before the time limit) stops every
+rank at the same step (``nbddp/worker/standalone.py``); when it did, rank 0 leaves
+``$NBDDP_STOP_FILE.stopped`` for the batch file, which then requeues the job to resume.
+
 Non-goals: supervising the ranks (torchrun does: a failing rank ends the job, and its
-traceback heads torchrun's summary) and the live panel (``nbddp.log`` and ``nbddp.progress``
-do nothing outside a launch).
+traceback heads torchrun's summary, and ``--max-restarts`` restarts them) and the live panel
+(``nbddp.log`` does nothing outside a launch).
 """
 
 from typing import Any
@@ -29,6 +35,7 @@ class NbddpScript:
         self.name = os.path.basename(self.script)
         self.result: str | None = os.path.join(self.here, export["result"])
         self.rank = 0
+        self.watcher: Any = None  # nbddp's watch for a graceful stop, where nbddp is installed
 
     # -- the two kinds ---------------------------------------------------------------------
 
@@ -75,6 +82,7 @@ class NbddpScript:
         self._adopt_paths()
         self._check_needs()
         self._join()
+        self._watch_for_a_stop()
 
     def _arguments(self, argv: list[str]) -> None:
         import argparse
@@ -149,6 +157,19 @@ class NbddpScript:
             self._pick_interface()
         dist.init_process_group(self.export["backend"])
         self._accept_own_init(dist)
+
+    def _watch_for_a_stop(self) -> None:
+        """The notebook's checkpoint directory, and a graceful stop on SIGTERM or the stop
+        file, where nbddp is installed (a function that calls nbddp needs it anyway)."""
+        import os
+
+        os.environ.setdefault("NBDDP_CHECKPOINT_DIR", self.export.get("checkpoint_dir", ""))
+        os.environ.setdefault("NBDDP_CHECKPOINT_KEEP", str(self.export.get("keep", 2)))
+        try:
+            from nbddp.worker import standalone
+        except ImportError:
+            return
+        self.watcher = standalone.install()
 
     def _pick_interface(self) -> None:
         """Across nodes, gloo and NCCL use the interface that reaches MASTER_ADDR, unless
@@ -284,8 +305,14 @@ class NbddpScript:
         ResultPickler(file, protocol=5).dump(value)
 
     def _end(self) -> None:
+        import os
+
         import torch.distributed as dist
 
+        stop_file = os.environ.get("NBDDP_STOP_FILE")
+        if self.rank == 0 and stop_file and self.watcher and self.watcher.agreement.landed:
+            with open(stop_file + ".stopped", "w") as f:  # the batch file requeues the job
+                f.write("stopped at a step boundary before the end\n")
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -4,7 +4,9 @@ A script is: a docstring that says what it was exported from, how to run it and 
 needs; the source of ``runner.py`` (the only code it runs besides torch and cloudpickle); and
 its ending: a function's call, or a cell's own lines between ``start_cell`` and
 ``finish_cell``. The batch file starts one torchrun per node with ``srun`` and a static
-rendezvous on the allocation's first node.
+rendezvous on the allocation's first node; it asks Slurm for a signal before the time limit,
+on which the ranks stop together at a step (and save what the function saves), and requeues
+the job, whose next start resumes from the same checkpoint directory.
 
 Non-goal: any scheduler option a site needs (partition, account, time): ``sbatch`` takes them
 on its command line, or the user adds them to the file.
@@ -53,10 +55,11 @@ def script_text(
     function's source, quoted for the reader."""
     version = getattr(sys.modules["nbddp"], "__version__", "?")  # its package, imported first
     name = script.name
-    how = [f"    torchrun --standalone --nproc-per-node {layout.per_node} {name}"]
+    restarts = _restarts(export.get("max_restarts", 0))
+    how = [f"    torchrun --standalone{restarts} --nproc-per-node {layout.per_node} {name}"]
     if layout.nodes > 1:
         how = [
-            f"    torchrun --nnodes {layout.nodes} --node-rank K --nproc-per-node "
+            f"    torchrun --nnodes {layout.nodes} --node-rank K{restarts} --nproc-per-node "
             f"{layout.per_node} --master-addr NODE0 --master-port 29500 {name}",
             "    (on each node K = 0.." + str(layout.nodes - 1) + ")",
         ]
@@ -80,6 +83,12 @@ def script_text(
                 width=96,
             ),
             *textwrap.wrap(f"Needs: {needs or 'torch, cloudpickle'}.", width=96),
+            *textwrap.wrap(
+                f"nbddp.checkpoint saves into {export.get('checkpoint_dir')} (as in the "
+                "notebook; NBDDP_CHECKPOINT_DIR=... for another); SIGTERM stops every rank "
+                "together at a step boundary.",
+                width=96,
+            ),
         ]
     )
     parts = [
@@ -139,14 +148,25 @@ def _show_last(source: str) -> str:
     return "\n".join(lines)
 
 
-def sbatch_text(*, script: Path, layout: Layout, origin: str, job: str) -> str:
-    """One torchrun per node (``srun``), a static rendezvous on the first node's address."""
+def sbatch_text(
+    *,
+    script: Path,
+    layout: Layout,
+    origin: str,
+    job: str,
+    checkpoint_dir: str,
+    max_restarts: int = 0,
+    stop_lead: int = 120,
+) -> str:
+    """One torchrun per node (``srun``), a static rendezvous on the first node's address; the
+    signal ``stop_lead`` seconds before the time limit becomes a graceful stop and a requeue
+    (Slurm sends it up to a minute early or late: the lead leaves the stop time to save)."""
     python = shlex.quote(sys.executable)
     gpus = [f"#SBATCH --gpus-per-node={layout.per_node}"] if layout.device == "cuda" else []
     torchrun = (
         f'exec "$PYTHON" -m torch.distributed.run --nnodes={layout.nodes} '
         '--node-rank="$SLURM_NODEID" '
-        f"--nproc-per-node={layout.per_node} "
+        f"--nproc-per-node={layout.per_node}{_restarts(max_restarts, '=')} "
         '--master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" '
         f"{shlex.quote(str(script))}"
     )
@@ -161,6 +181,9 @@ def sbatch_text(*, script: Path, layout: Layout, origin: str, job: str) -> str:
             "#SBATCH --ntasks-per-node=1",
             *gpus,
             f"#SBATCH --output={job}-%j.out",
+            "#SBATCH --open-mode=append  # a requeued job's output follows the first's",
+            f"#SBATCH --signal=B:USR1@{stop_lead}  # before the time limit: stop well, requeue",
+            "#SBATCH --requeue",
             "",
             "set -euo pipefail",
             f"cd {shlex.quote(os.getcwd())}  # the notebook's directory: relative paths hold",
@@ -172,11 +195,35 @@ def sbatch_text(*, script: Path, layout: Layout, origin: str, job: str) -> str:
             'export MASTER_ADDR="${addr:-$head}"',
             "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
             "export PYTHON",
+            "# where nbddp.checkpoint saves, as in the notebook: a requeued job resumes from it",
+            f"export NBDDP_CHECKPOINT_DIR=${{NBDDP_CHECKPOINT_DIR:-{shlex.quote(checkpoint_dir)}}}",
+            'mkdir -p "$NBDDP_CHECKPOINT_DIR"',
+            'export NBDDP_STOP_FILE="$NBDDP_CHECKPOINT_DIR/.stop-$SLURM_JOB_ID"',
+            'rm -f "$NBDDP_STOP_FILE" "$NBDDP_STOP_FILE.stopped"',
+            "# Slurm's signal before the time limit: every rank stops at the same step",
+            "trap 'touch \"$NBDDP_STOP_FILE\"' USR1",
             "# a failing node ends the job (torchrun alone would let the other nodes wait)",
-            f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(torchrun)}",
+            f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(torchrun)} &",
+            "ranks=$!",
+            "status=0",
+            'while kill -0 "$ranks" 2>/dev/null; do  # a trapped signal interrupts wait',
+            '    wait "$ranks" && status=0 || status=$?',
+            "done",
+            'rm -f "$NBDDP_STOP_FILE"',
+            'if [ -e "$NBDDP_STOP_FILE.stopped" ]; then  # stopped before its end: go on later',
+            '    rm -f "$NBDDP_STOP_FILE.stopped"',
+            '    echo "nbddp: stopped at a step boundary before the time limit; requeued"',
+            '    scontrol requeue "$SLURM_JOB_ID"',
+            "fi",
+            'exit "$status"',
             "",
         ]
     )
+
+
+def _restarts(max_restarts: int, joiner: str = " ") -> str:
+    """torchrun's option: a failing rank restarts the whole world up to N times."""
+    return f" --max-restarts{joiner}{max_restarts}" if max_restarts else ""
 
 
 def _shape(layout: Layout) -> str:

@@ -5,43 +5,35 @@ for the length of the call the kernel looks like rank 0 of a world of 1 (the tor
 variables are set, a world-size-1 process group exists unless the user already made one, the
 runtime functions answer for the plan's device), and all of it is undone afterwards.
 
-A timeout or ``Run.stop()`` ends the call at a clean point first: the next ``nbddp.log`` or
-``nbddp.progress`` step raises. If the function calls neither within ``ABORT_GRACE`` seconds,
-the abort is raised inside its thread between two Python bytecodes; code blocked in one long
-native call is interrupted when it returns to Python.
+A graceful stop (``stop_gracefully``, the timeout, the first interrupt of a blocking call)
+of a function that checks ``nbddp.stopping()`` lands at its next check (one rank: nothing to
+agree on); one that does not check, or not within ``stop_grace``, is aborted as by ``stop``.
+``Run.stop()`` (and that abort) ends the call at a clean point first: the next ``nbddp.log``
+or ``nbddp.progress`` step raises. If the function calls neither within ``ABORT_GRACE``
+seconds, the abort is raised inside its thread between two Python bytecodes; code blocked in
+one long native call is interrupted when it returns to Python.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
-import os
-import site
+import signal
 import sys
-import sysconfig
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any, Literal
 
 from nbddp import interrupts
 from nbddp.backend import Finish, Outcome, RunEvents
-from nbddp.environment import (
-    RUN_ID_VARIABLE,
-    free_port,
-    is_launcher_variable,
-    new_run_id,
-    single_node,
-    torchrun_env,
-)
 from nbddp.errors import LaunchTimeout
 from nbddp.errors.remote import rank_raised
+from nbddp.local.kernel_world import single_rank_world
 from nbddp.plan import LaunchPlan
+from nbddp.recovery import stopped_gracefully
 from nbddp.wire import payload
 from nbddp.wire.stacks import AskStacks, StackReport
-from nbddp.worker import debugger, live, world
-from nbddp.worker.context import Context, installed
+from nbddp.worker import checkpoints, debugger, live, stopping
 from nbddp.worker.report import format_user_traceback, hint_for, message_of
 from nbddp.worker.stacks import current_threads, recent_collectives
 
@@ -50,103 +42,6 @@ ABORT_GRACE = 0.5
 
 class _Abort(BaseException):
     """Raised inside the call by a timeout or ``Run.stop()``."""
-
-
-@contextmanager
-def single_rank_world(plan: LaunchPlan, fn: Callable[..., Any] | None = None) -> Iterator[None]:
-    """The kernel as rank 0 of a world of 1, for the length of the block. The user's own
-    ``init_process_group`` is answered from its group, as a rank's is (``worker/world.py``),
-    also through a name bound to torch's function before the launch (in the notebook, in
-    ``fn``'s module or in the user's own modules)."""
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", plan.gpus[0]) if plan.device == "cuda" else torch.device("cpu")
-    run_id = new_run_id()
-    saved: dict[str, str | None] = {}  # what the finally puts back
-    made_group = False
-    rebound: world.Rebound = []
-    previous_cuda = None
-    excepthook = sys.excepthook
-    try:
-        with interrupts.deferred():  # the world is built whole; the finally takes it down
-            env = {  # free_port's socket is closed, whenever the interrupt comes
-                **torchrun_env(single_node(0, 1), "127.0.0.1", free_port(), run_id),
-                RUN_ID_VARIABLE: run_id,
-                **plan.env,
-            }
-            # A launcher's variables in the kernel (a Slurm job's, torchrun's) are hidden.
-            hidden = [n for n in os.environ if is_launcher_variable(n) and n not in env]
-            saved.update({name: os.environ.get(name) for name in [*env, *hidden]})
-            for name in hidden:
-                del os.environ[name]
-            os.environ.update(env)
-            if device.type == "cuda":
-                previous_cuda = torch.cuda.current_device()
-                torch.cuda.set_device(device)
-            if dist.is_available() and not dist.is_initialized():
-                # the user's own init_process_group(rank=0, world_size=1) is answered from it
-                world.join(plan.backend, 0, 1, store=dist.HashStore())  # type: ignore[attr-defined]
-                made_group = True
-                rebound = world.answer_bound_names(_user_namespaces(fn))
-        with installed(Context(rank=0, local_rank=0, world_size=1, device=device)):
-            yield
-    finally:
-        with interrupts.deferred():
-            world.unbind(rebound)
-            _restore(saved, made_group, previous_cuda, excepthook)
-
-
-def _user_namespaces(fn: Callable[..., Any] | None) -> list[dict[str, Any]]:
-    """Where the user's code looks its names up: the notebook's, ``fn``'s module's, and the
-    user's own modules' (those outside the interpreter's and its packages' directories)."""
-    found: dict[int, dict[str, Any]] = {}
-    main = sys.modules.get("__main__")
-    target: Any = fn
-    while isinstance(target, functools.partial):
-        target = target.func
-    target = getattr(target, "__func__", target)
-    for namespace in (getattr(main, "__dict__", None), getattr(target, "__globals__", None)):
-        if isinstance(namespace, dict):
-            found[id(namespace)] = namespace
-    libraries = _library_directories()
-    for module in list(sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if isinstance(file, str) and not file.startswith(libraries):
-            found.setdefault(id(module.__dict__), module.__dict__)
-    return list(found.values())
-
-
-@functools.cache
-def _library_directories() -> tuple[str, ...]:
-    """The interpreter's and its packages' directories (as named and as resolved)."""
-    paths = sysconfig.get_paths()
-    places = [paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")]
-    places += [*site.getsitepackages(), site.getusersitepackages()]
-    return tuple({os.path.join(p, "") for p in places + [os.path.realpath(p) for p in places]})
-
-
-def _restore(
-    saved: dict[str, str | None],
-    made_group: bool,
-    previous_cuda: int | None,
-    excepthook: Callable[..., Any],
-) -> None:
-    import torch
-
-    if made_group:
-        world.leave()  # the group, if the user's destroy_process_group() left it
-    if made_group and getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
-        # init_process_group wraps sys.excepthook to prefix "[rank0]: " and nothing unwraps
-        # it: each in-kernel launch would add one more prefix to the kernel's tracebacks.
-        sys.excepthook = excepthook
-    if previous_cuda is not None:
-        torch.cuda.set_device(previous_cuda)
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 class _EventsSink:
@@ -185,6 +80,10 @@ class InKernel:
         self._thread_id = 0
         self._buffer: live.LiveBuffer | None = None
         self._events: RunEvents | None = None
+        self._agreement: stopping.Agreement | None = None
+        self._why: str | None = None  # by what a graceful stop was asked
+        self._landed: tuple[int, str] | None = None  # (step, what checked) where it landed
+        self._saved: tuple[int, str] | None = None  # the last checkpoint after the ask
 
     def start(self, events: RunEvents, finish: Finish) -> None:
         self._events = events
@@ -200,6 +99,34 @@ class InKernel:
 
     def tell(self, message: Any) -> None:
         """The one rank is the kernel itself: its pdb asks the input box directly."""
+
+    def stop_gracefully(self, why: str, reason: Literal["stopped", "timeout"] = "stopped") -> None:
+        """At the function's next check; at once (``reason``) when it never checked."""
+        with self._lock:
+            agreement = self._agreement
+            if self._why is not None or self._reason is not None or self._phase != "calling":
+                graceful = False
+            else:
+                graceful = agreement is not None and agreement.ask_here()
+            if graceful:
+                self._why = why
+        if not graceful:
+            self._abort(reason)
+            return
+        if self._events is not None:
+            self._events.stopping(why)
+        timer = threading.Timer(self.plan.stop_grace, self._abort, (reason,))
+        timer.daemon = True
+        timer.start()
+
+    def _interrupted(self, signum: int, frame: Any) -> None:
+        """The first interrupt of a blocking call that checks: a graceful stop; any other
+        interrupt raises as usual."""
+        with self._lock:
+            agreement, asked = self._agreement, self._why is not None
+        if asked or agreement is None or agreement.checks == 0:
+            raise KeyboardInterrupt
+        self.stop_gracefully("the interrupt (■)")
 
     def ask(self, message: AskStacks) -> None:
         """The one rank is the kernel's thread that runs fn: its stack is taken right here."""
@@ -238,10 +165,17 @@ class InKernel:
         timer: threading.Timer | None = None
         buffer: live.LiveBuffer | None = None
         previous_buffer: live.LiveBuffer | None = None
+        previous_agreement: stopping.Agreement | None = None
+        agreement = self._agreement = stopping.Agreement(self._stopped_at)
         try:
             with interrupts.deferred():  # what is set up here is undone in the finally
+                previous_agreement = stopping.install(agreement)
+                checkpoints.configure(plan.checkpoint_dir or None, plan.keep, self._checkpointed)
                 if plan.timeout:
-                    timer = threading.Timer(plan.timeout, self._abort, ("timeout",))
+                    timer = threading.Timer(
+                        plan.timeout, self.stop_gracefully, (f"the timeout of {plan.timeout:g} s",)
+                    )
+                    timer.kwargs = {"reason": "timeout"}
                     timer.daemon = True
                     timer.start()
                 buffer = self._buffer = live.LiveBuffer(_EventsSink(events))
@@ -261,11 +195,16 @@ class InKernel:
                 events.started()
                 try:
                     interrupts.reached("running fn")
-                    value = fn(*args, **kwargs)
+                    with self._first_interrupt_graceful():
+                        value = self._call_restarting(fn, args, kwargs, events)
                 finally:
                     with self._lock:
                         self._phase = "returned"
             outcome = Outcome("succeeded", payload.to_cpu(value))
+            if self._landed is not None and self._why is not None:
+                step, where = self._landed
+                graceful = stopped_gracefully(step, where, self._why, self._saved)
+                outcome = outcome._replace(status="stopped", graceful=graceful)
         except _Abort:
             if self._reason == "timeout":
                 assert plan.timeout is not None
@@ -293,9 +232,57 @@ class InKernel:
                 if buffer is not None:
                     buffer.close()  # every row reaches the state before the outcome
                     live.install(previous_buffer)
+                stopping.install(previous_agreement)
+                checkpoints.configure(None)
                 if timer is not None:
                     timer.cancel()
         finish(outcome)
+
+    def _call_restarting(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        events: RunEvents,
+    ) -> Any:
+        """``fn``, called again after it raised while ``max_restarts`` allows (the one-rank
+        world stays; ``nbddp.restore`` in ``fn`` resumes). A stop is never restarted."""
+        restarts = 0
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except (_Abort, KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as exc:
+                if restarts >= self.plan.max_restarts or self._reason or self._why:
+                    raise
+                restarts += 1
+                error = rank_raised(
+                    0, type(exc).__name__, message_of(exc), format_user_traceback(exc), exc
+                )
+                events.restarted(restarts, self.plan.max_restarts, error)
+
+    def _stopped_at(self, step: int, where: str) -> None:
+        self._landed = (step, where)
+
+    def _checkpointed(self, step: int, path: str, seconds: float, restored: bool) -> None:
+        if self._events is not None:
+            self._events.checkpointed(step, path, seconds, restored)
+        if self._why is not None and not restored:
+            self._saved = (step, path)
+
+    @contextlib.contextmanager
+    def _first_interrupt_graceful(self) -> Iterator[None]:
+        """While a blocking call runs in the kernel's main thread: its first interrupt asks
+        for a graceful stop (``_interrupted``)."""
+        if not self.plan.block or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, self._interrupted)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

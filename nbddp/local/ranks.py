@@ -117,4 +117,6 @@ def job_spec(
         session=session,
         exit_timeout=plan.exit_timeout,
         debug=plan.debug,
+        checkpoint_dir=plan.checkpoint_dir,
+        keep=plan.keep,
     )

@@ -27,6 +27,11 @@ from nbddp.launch import launch_plan
 from nbddp.notebook import cell as cells
 from nbddp.notebook import crossing
 from nbddp.notebook.cell_errors import CellFailed, CellSyntaxError, interrupted
+from nbddp.notebook.stopping_options import (
+    checkpoint_name,
+    stopping_arguments,
+    stopping_options,
+)
 from nbddp.plan import (
     BACKENDS,
     DEVICE_OPTIONS,
@@ -61,6 +66,7 @@ class DDPMagics(Magics):
     @argument("--stall-after", type=seconds_or_none, default=STALL_AFTER, help=STALL_HELP)
     @argument("--display", choices=DISPLAYS, default="auto")
     @argument("--output", choices=OUTPUTS, default="rank0", help="whose prints reach the notebook")
+    @stopping_arguments
     @argument(
         "--out",
         type=str,
@@ -146,6 +152,7 @@ class DDPMagics(Magics):
                 workers_per_node=(
                     "auto" if args.workers_per_node is None else args.workers_per_node
                 ),
+                **stopping_options(args, self.shell, cell),
             )
         except ValueError as exc:
             raise UsageError(f"%%ddp: {exc}") from None
@@ -185,6 +192,9 @@ class DDPMagics(Magics):
                 num_workers=num_workers,
                 device=args.device,
                 nodes=nodes,
+                checkpoint_dir=args.checkpoint_dir,
+                max_restarts=args.max_restarts,
+                name=checkpoint_name(self.shell, cell),
             )
         except ValueError as exc:
             raise UsageError(f"%%ddp --export: {exc}") from None

@@ -106,6 +106,11 @@ class Judging:
     def stop(self) -> None:
         self.stop_requested = True
 
+    def expire_at(self, deadline: float) -> None:
+        """The timeout ends at ``deadline`` on this judge's clock (a restarted world's
+        timeout is what is left of the run's)."""
+        self._deadline = deadline
+
     def event(self, event: RankEvent) -> None:
         match event:
             case Received(rank=rank, message=Prompt() | LeftPdb() | Quit() as message):

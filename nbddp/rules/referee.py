@@ -6,7 +6,10 @@ them joined the process group, and gives the verdict:
 * the first failure ends the run; the root cause is chosen (:mod:`nbddp.rules.tracker`) among
   the failures that arrive within ``SETTLE`` seconds, or once every rank is accounted for;
 * a stop request ends it as "stopped";
-* the ``timeout`` ends it with :class:`~nbddp.errors.LaunchTimeout`;
+* a graceful stop (:mod:`nbddp.rules.graceful`) lets the ranks end at one agreed step: the
+  run is then "stopped" with rank 0's value; when it cannot be graceful, it ends at once;
+* the ``timeout`` asks for a graceful stop, and ends the run with
+  :class:`~nbddp.errors.LaunchTimeout` when it cannot be graceful;
 * when every rank exited after reporting, rank 0's value (or every rank's) is the result.
 
 A rank that reported its result runs its exit work before it exits (``worker/exiting.py``):
@@ -31,9 +34,11 @@ from nbddp import interrupts
 from nbddp.backend import Outcome, RunEvents
 from nbddp.errors import LaunchTimeout
 from nbddp.errors.render import describe_exit
+from nbddp.rules.graceful import GracefulStop
 from nbddp.rules.judging import SETTLE, Clock, Judging
 from nbddp.wire.messages import AllJoined, ExitReport, Failed, Joined, Result, Trained, Unsendable
 from nbddp.wire.spec import JobSpec
+from nbddp.wire.stopping import Checkpointed, Checks, StoppedAt, StopRequested
 
 if TYPE_CHECKING:
     from nbddp.plan import LaunchPlan
@@ -58,8 +63,11 @@ class Referee(Judging):
         node_of: Callable[[int], str | None] = lambda rank: None,
         clock: Clock = time.monotonic,
         exit_timeout: float = JobSpec.exit_timeout,
+        stop_grace: float = 60.0,
     ) -> None:
         super().__init__(world_size, return_all, timeout, events, node_of, clock, broadcast)
+        self.graceful = GracefulStop(world_size, broadcast, events, clock, stop_grace)
+        self._returned: set[int] = set()
         self._broadcast = broadcast
         self._groups_to_start = started_groups
         self._settled: float | None = None
@@ -86,7 +94,13 @@ class Referee(Judging):
             started_groups=plan.nodes,
             node_of=node_of,
             exit_timeout=plan.exit_timeout,
+            stop_grace=plan.stop_grace,
         )
+
+    def stop_gracefully(self, why: str) -> None:
+        """Ask for a graceful stop from any thread; the caller wakes the loop, which sends
+        it."""
+        self.graceful.request(why)
 
     def _message(self, rank: int, message: Any, buffers: list[Any]) -> None:
         match message:
@@ -100,6 +114,8 @@ class Referee(Judging):
                 interrupts.reached("sending the result")
             case Result(stream=stream, early_exit=early):
                 interrupts.reached("exit work")
+                self._returned.add(rank)
+                self.graceful.returned(rank)
                 self.tracker.result(rank, stream, buffers, early)
                 self._finishing[rank] = self._clock()
                 self._events.finishing(frozenset(self._finishing))
@@ -109,6 +125,17 @@ class Referee(Judging):
                 self.tracker.raised(rank, report, self._node_of(rank))
             case Unsendable(path=path, reason=reason):
                 self.tracker.unsendable(rank, path, reason)
+            case Checks(checks=count):
+                self.graceful.answered(rank, count)
+            case StopRequested(why=why):  # a signal to the rank (Slurm's, before the limit)
+                self.graceful.request(why)
+            case StoppedAt(step=step, where=where):
+                self.graceful.stopped_at(rank, step, where)
+            case Checkpointed(step=step, path=path, seconds=seconds, restored=restored):
+                if rank == 0:
+                    self._events.checkpointed(step, path, seconds, restored)
+                    if not restored:
+                        self.graceful.checkpointed(step, path)
 
     def _ended(self, rank: int, code: int | None, stderr_tail: str) -> None:
         if self._finishing.pop(rank, None) is not None:
@@ -118,6 +145,7 @@ class Referee(Judging):
                     f"rank {rank} {describe_exit(code)} while it ran its exit handlers, after "
                     "its result: what they were writing may be incomplete."
                 )
+        self.graceful.gone(rank)
         self.tracker.ended(rank, code, stderr_tail, self._node_of(rank))
 
     def _started(self) -> None:
@@ -130,7 +158,14 @@ class Referee(Judging):
         if self.tracker.all_returned:  # the timeout is fn's: the exit work has its own bound
             times = [t for t in (self._settled, self._given_up) if t is not None]
             return min(times) if times else None
-        return self._earliest(self._settled)
+        if self.graceful.why is not None and self._timed_out():  # the grace bounds it now
+            return self._earliest_of(self._settled, self.graceful.deadline())
+        return self._earliest(self._settled, self.graceful.deadline())
+
+    @staticmethod
+    def _earliest_of(*times: float | None) -> float | None:
+        known = [t for t in times if t is not None]
+        return min(known) if known else None
 
     @property
     def _given_up(self) -> float | None:
@@ -141,6 +176,7 @@ class Referee(Judging):
 
     def verdict(self) -> Outcome | None:
         tracker = self.tracker
+        self.graceful.send(self._joined, tracker.exited, self._returned)
         if tracker.failures and not self.in_pdb:  # held while a person debugs a rank
             self._settled = self._settled or self._clock() + SETTLE
             if tracker.everyone_accounted_for or self._clock() >= self._settled:
@@ -162,10 +198,26 @@ class Referee(Judging):
                     )
                 return self._collect()
             return None
-        if self._timed_out():
+        at_once = self.graceful.at_once()
+        by_timeout = self._timed_out()
+        if at_once is not None and by_timeout:
             assert self._timeout is not None
-            return Outcome("failed", error=LaunchTimeout(self._timeout))
+            return Outcome("failed", error=LaunchTimeout(self._timeout, _ended(at_once)))
+        if at_once is not None:
+            return Outcome("stopped", warning=at_once + ".")
+        if by_timeout and self.graceful.why is None:  # first, a graceful stop
+            self.graceful.request(f"the timeout of {self._timeout:g} s")
+            self.graceful.send(self._joined, tracker.exited, self._returned)
+            return self.verdict()
         return None
 
     def _collect(self) -> Outcome:
-        return self.tracker.collect()._replace(exit_warnings=tuple(self.exit_warnings))
+        outcome = self.tracker.collect()._replace(exit_warnings=tuple(self.exit_warnings))
+        if outcome.status == "succeeded" and self.graceful.landed is not None:
+            return outcome._replace(status="stopped", graceful=self.graceful.sentence())
+        return outcome
+
+
+def _ended(at_once: str) -> str:
+    """LaunchTimeout's account of the ranks' end, after a graceful stop that could not be."""
+    return at_once.replace("it was stopped at once", "all workers were terminated")

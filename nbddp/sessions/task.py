@@ -51,6 +51,10 @@ class SessionTask:
         if self._referee is not None:
             self._ranks.stop_task(self._referee)
 
+    def stop_gracefully(self, why: str) -> None:
+        """A session task has no graceful stop: its ranks are interrupted, as by ``stop``."""
+        self.stop()
+
     def ask(self, message: Any) -> None:
         self._ranks.processes.send_all(message)
 

@@ -32,6 +32,8 @@ class JobSpec:
     session: bool = False  # the ranks stay up and run Tasks (worker/session.py)
     exit_timeout: float = 30.0  # the bound of its exit work (torchrun's SIGTERM->SIGKILL)
     debug: bool = False  # an uncaught exception stops the rank in post-mortem pdb first
+    checkpoint_dir: str = ""  # nbddp.checkpoint's directory (absolute); "": the rank's default
+    keep: int = 2  # how many complete checkpoints are kept
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()

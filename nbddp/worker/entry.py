@@ -27,7 +27,25 @@ from nbddp.wire.messages import AllJoined, Failed, Hello, Joined, Shown, Trained
 from nbddp.wire.prompts import Release, Reply
 from nbddp.wire.spec import SPEC, JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.worker import asking, debugger, integrations, live, rich, stacks, sync_check
+from nbddp.wire.stopping import (
+    Checkpointed,
+    Checks,
+    StopAsked,
+    StopAt,
+    StoppedAt,
+    StopRequested,
+)
+from nbddp.worker import (
+    asking,
+    checkpoints,
+    debugger,
+    integrations,
+    live,
+    rich,
+    stacks,
+    stopping,
+    sync_check,
+)
 from nbddp.worker.exiting import exit_normally, skip_import_finalizers
 from nbddp.worker.reaping import become_subreaper, end_descendants
 from nbddp.worker.report import ChannelSink, error_report
@@ -65,11 +83,13 @@ def main(directory: str) -> int:
     os._exit(code)  # no interpreter shutdown: a user thread or child cannot hold the run
 
 
-def _listen(conn: Connection, rank: int, joined: threading.Event) -> None:
-    """The kernel's word after the job: ``AllJoined``, ``Shown``, a roll-call (answered
-    even while fn waits in a collective), a reply to pdb's prompt or a release from
-    ``nbddp.breakpoint()``. Its end closing means it is gone, and so is this
-    rank, at once, with its whole process group."""
+def _listen(
+    conn: Connection, rank: int, joined: threading.Event, agreement: stopping.Agreement
+) -> None:
+    """The kernel's word after the job: ``AllJoined``, ``Shown``, a roll-call, a graceful
+    stop's agreement (answered even while fn waits in a collective: see ``stopping.py``), a
+    reply to pdb's prompt or a release from ``nbddp.breakpoint()``. Its end closing means it
+    is gone, and so is this rank, at once, with its whole process group."""
     try:
         while True:
             message = conn.recv().message
@@ -81,6 +101,10 @@ def _listen(conn: Connection, rank: int, joined: threading.Event) -> None:
                 stacks.answer(conn, rank, message)
             elif isinstance(message, (Reply, Release)):
                 asking.received(message)
+            elif isinstance(message, StopAsked):
+                conn.send(Checks(rank, agreement.asked()))
+            elif isinstance(message, StopAt):
+                agreement.agree(message.check)
     except (EOFError, OSError):
         pass
     kill_own_group()
@@ -94,8 +118,16 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
     job, fds = frame.message, frame.fds
     del frame  # the job is held by ``job`` alone, and dropped before fn runs
     store = fds.pop() if job.store and fds else None
+    agreement = stopping.Agreement(lambda step, where: conn.send(StoppedAt(rank, step, where)))
+    stopping.install(agreement)
+    stopping.ask_on_signal(lambda: conn.send(StopRequested(rank, stopping.SIGNALLED)))
+    checkpoints.configure(
+        spec.checkpoint_dir or None,
+        spec.keep,
+        lambda *saved: conn.send(Checkpointed(rank, *saved)),
+    )
     threading.Thread(
-        target=_listen, args=(conn, rank, joined), name="nbddp-listener", daemon=True
+        target=_listen, args=(conn, rank, joined, agreement), name="nbddp-listener", daemon=True
     ).start()
     early_exit = checked = False
     try:

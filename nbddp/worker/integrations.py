@@ -108,6 +108,7 @@ def install(output: str) -> None:
         "lightning.pytorch.trainer.trainer": trainers.patch_lightning,
         "pytorch_lightning.trainer.trainer": trainers.patch_lightning,
         "accelerate.accelerator": trainers.patch_accelerate,
+        "accelerate.data_loader": trainers.patch_accelerate_loaders,
         "torch.distributed.launcher.api": launchers.guard_elastic,
         "IPython.core.display_functions": rich.install(),  # display() into the cell
         "catalyst.runners.runner": catalyst_engines.patch,

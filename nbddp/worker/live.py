@@ -1,4 +1,5 @@
-"""``nbddp.log`` and ``nbddp.progress``: cheap on the training thread, delivered in batches.
+"""``nbddp.log`` and the bars of ``nbddp.progress`` (``progress.py``): cheap on the training
+thread, delivered in batches.
 
 The training thread only appends to a buffer: a logged CUDA tensor is copied on its device (a
 queued copy, so a running sum changed in place later keeps the logged value), never read, so
@@ -21,17 +22,15 @@ import collections
 import numbers
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 
 from nbddp.wire.messages import BarSnapshot, Block
-from nbddp.worker.context import is_main
 
 FLUSH_INTERVAL = 0.05
 PROGRESS_INTERVAL = 0.1  # seconds between two snapshots of a bar the flusher may send
-T = TypeVar("T")
 
 
 class LiveSink(Protocol):
@@ -296,55 +295,3 @@ def log(metrics: Mapping[str, Any] | None = None, /, **named: Any) -> None:
         named = {**metrics, **named}
     if named:
         _buffer.log(named)  # a dict of our own: the call made it
-
-
-def progress(
-    iterable: Iterable[T], desc: str | None = None, total: int | None = None
-) -> Iterable[T]:
-    """Iterate ``iterable``, showing rank 0's progress live (count, rate, ETA); nests.
-
-    On other ranks (and outside a launch) the iterable itself is returned, at no cost.
-
-    Args:
-        iterable: What to iterate.
-        desc: The bar's label ("epoch", "batch").
-        total: How many items; defaults to ``len(iterable)`` when it has one.
-    """
-    if _buffer is None or not is_main():
-        return iterable
-    if total is None:
-        try:
-            total = len(iterable)  # type: ignore[arg-type]
-        except TypeError:
-            total = None
-    return _Progress(_buffer, iterable, desc, total)
-
-
-class _Progress(Generic[T]):
-    """What ``progress`` returns on rank 0: iterates, counts, and keeps ``len``."""
-
-    def __init__(
-        self, buffer: LiveBuffer, iterable: Iterable[T], desc: str | None, total: int | None
-    ) -> None:
-        self._buffer = buffer
-        self._iterable = iterable
-        self.desc = desc
-        self.total = total
-
-    def __len__(self) -> int:
-        if self.total is None:
-            raise TypeError("this progress bar's iterable has no length")
-        return self.total
-
-    def __iter__(self) -> Iterator[T]:
-        buffer = self._buffer
-        bar = buffer.open_bar(self.desc, self.total)
-        try:
-            for item in self._iterable:
-                if buffer.abort is not None:
-                    raise buffer.abort
-                yield item
-                bar.n += 1
-                buffer.bars_dirty = True  # an attribute, not a method: this runs per item
-        finally:
-            buffer.close_bar(bar)

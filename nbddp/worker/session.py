@@ -42,7 +42,17 @@ from nbddp.wire.messages import (
 from nbddp.wire.prompts import Release, Reply
 from nbddp.wire.spec import JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.worker import asking, collectives, debugger, integrations, live, rich, stacks, world
+from nbddp.worker import (
+    asking,
+    checkpoints,
+    collectives,
+    debugger,
+    integrations,
+    live,
+    rich,
+    stacks,
+    world,
+)
 from nbddp.worker.context import device, world_size
 from nbddp.worker.exiting import skip_import_finalizers
 from nbddp.worker.report import ChannelSink, error_report
@@ -83,6 +93,9 @@ class _Busy:
             raise KeyboardInterrupt
 
 
+SESSION_CHECKPOINTS = "nbddp-checkpoints/session"
+
+
 def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     """Join the process group, then run tasks until the kernel closes the session (0: the
     rank then leaves as a launched one does after its result) or its channel."""
@@ -106,6 +119,8 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
         return 1
     conn.send(Joined(rank))
     integrations.install(spec.output)
+    # a session's tasks checkpoint into one directory (its plan has none of a function's)
+    checkpoints.configure(spec.checkpoint_dir or os.path.abspath(SESSION_CHECKPOINTS), spec.keep)
     skip_import_finalizers()
     # Ray starts its processes with SIGINT blocked (services.py), and a node's ranks inherit the
     # mask: unblocked, an Interrupt reaches the task on a cluster as it does here

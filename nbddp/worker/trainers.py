@@ -13,6 +13,14 @@
   importable, draws only a last frame where output is no terminal).
 * **Accelerate**: a tracker, given what ``accelerator.log(...)`` logs.
 
+A graceful stop (``stopping.py``) goes through each library's own controls, at a step boundary
+every rank reaches together: the Trainer's step end sets ``control.should_training_stop`` and
+``control.should_save`` (it saves its own ``checkpoint-N``); Lightning's batch end sets
+``trainer.should_stop`` and saves the checkpoint its own Slurm requeue writes
+(``hpc_ckpt_N.ckpt``, resumed by ``fit(ckpt_path="hpc")``); Accelerate's prepared data loaders
+end their loop (the user's code then saves, e.g. ``nbddp.checkpoint({"accelerator": ...})``,
+which is ``accelerator.save_state``).
+
 The rule for averaging: a library that calls us on every rank (the Trainer's ``on_log``,
 Lightning's loggers) logs as ``nbddp.log`` does, and row k is averaged across ranks; values
 the library already reduced are equal on every rank, so their average is that value, never
@@ -32,7 +40,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from nbddp.worker import context, live, sync_check
+from nbddp.worker import context, live, stopping, sync_check
 
 
 def numbers_in(values: Mapping[str, Any]) -> dict[str, float]:
@@ -71,7 +79,20 @@ def patch_transformers(module: ModuleType) -> None:
     from transformers import TrainerCallback
 
     class NbddpCallback(TrainerCallback):
-        """What the Trainer logs, on every rank, into the panel (loss is already reduced)."""
+        """What the Trainer logs, on every rank, into the panel (loss is already reduced);
+        a graceful stop at a step's end, with the Trainer's own save."""
+
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            _own_loops.append("the Hugging Face Trainer")  # its loader is no step boundary
+
+        def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+            if _own_loops:
+                _own_loops.pop()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if stopping.check(int(state.global_step), "the Hugging Face Trainer"):
+                control.should_training_stop = True
+                control.should_save = True
 
         def on_log(
             self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
@@ -116,7 +137,21 @@ def patch_lightning(module: ModuleType) -> None:
 
     callbacks = __import__(f"{package}.callbacks", fromlist=["TQDMProgressBar"])
 
+    class NbddpStop(callbacks.Callback):  # type: ignore[misc, name-defined]
+        """A graceful stop at a training batch's end: ``trainer.should_stop``, and the
+        checkpoint Lightning's own Slurm requeue saves (when checkpointing is on)."""
+
+        def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            if not stopping.check(int(trainer.global_step), "Lightning"):
+                return
+            trainer.should_stop = True
+            if trainer.checkpoint_callback is not None:
+                connector = type(trainer._checkpoint_connector)
+                trainer.save_checkpoint(connector.hpc_save_path(trainer.default_root_dir))
+
     def install(self: Any, kwargs: dict[str, Any]) -> None:
+        if stopping.current() is not None:
+            self.callbacks.append(NbddpStop())
         if self.loggers:  # appended: loggers[0] keeps its role (log_dir, v_num, checkpoints)
             self.loggers = [*self.loggers, NbddpLogger()]
         else:  # logger=False: what the loggers would get, without adding one
@@ -183,3 +218,43 @@ def patch_accelerate(module: ModuleType) -> None:
 
     _after(accelerator, "__init__", add_tracker)
     _after(accelerator, "init_trackers", add_tracker)  # older versions start a new list there
+
+
+def patch_accelerate_loaders(module: ModuleType) -> None:
+    """Accelerate's prepared data loaders end their loop at an agreed graceful stop, as
+    ``nbddp.progress`` does: a check before each batch."""
+    for name in ("DataLoaderShard", "DataLoaderDispatcher"):
+        cls = getattr(module, name, None)
+        if cls is None or getattr(cls, "_nbddp", False):
+            continue
+        cls.__iter__ = _stopping_at_a_batch(cls.__iter__)
+        cls._nbddp = True
+
+
+# The trainers whose own loop checks at its step ends (the HF Trainer's prepares its loader
+# with Accelerate): while one trains, a loader's batch is no step boundary of ours.
+_own_loops: list[str] = []
+
+
+def _stopping_at_a_batch(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    @functools.wraps(original)
+    def __iter__(self: Any) -> Any:
+        if stopping.current() is None or _own_loops:
+            return original(self)
+        return _checked(original(self))
+
+    return __iter__
+
+
+def _checked(batches: Any) -> Any:
+    n = 0
+    try:
+        while not stopping.check(n, "Accelerate's data loader"):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch
+            n += 1
+    finally:
+        getattr(batches, "close", lambda: None)()  # its own end of loop (gradient state)

@@ -267,6 +267,30 @@ def test_a_lost_node_ends_the_run_and_is_named(cluster, helpers, tmp_path):
         simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)  # two nodes again
 
 
+def sleeps_the_first_time(folder: str) -> int:
+    """The first world sleeps (its node will be lost); the restarted one returns."""
+    if not os.path.exists(os.path.join(folder, f"rank{nbddp.rank()}")):  # this rank's first
+        sleeps(60, folder)
+    return nbddp.world_size()
+
+
+def test_max_restarts_restarts_the_world_after_a_lost_node(cluster, helpers, tmp_path):
+    simulated, second = cluster
+    run = nbddp.notebook_launch(
+        sleeps_the_first_time, (str(tmp_path),), **RAY, block=False, max_restarts=1
+    )
+    try:
+        assert every_rank_runs(tmp_path)
+        simulated.remove_node(second)
+        simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)  # room for the restarted world
+        assert run.wait(timeout=120)
+        assert run.result() == 2 and run.status == "succeeded"
+        [(_, cause)] = run.restarts
+        assert isinstance(cause, WorkerError) and "lost with its node" in str(cause)
+    finally:
+        run.stop()
+
+
 def test_a_ddp_cell_runs_on_the_cluster_from_a_kernel(cluster, kernel_factory):
     simulated, _ = cluster
     kernel = kernel_factory()

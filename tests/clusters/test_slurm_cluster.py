@@ -540,3 +540,45 @@ def test_a_pending_allocation_shows_its_state_and_an_interrupt_cancels_it(slurm,
             proc.kill()
         proc.communicate()
         slurm.run(["scancel", blocker])
+
+
+def test_slurms_signal_before_the_time_limit_stops_a_launch_gracefully(slurm, tmp_path):
+    """The allocation asks Slurm for SIGUSR1 before its time limit, sent to its steps: here
+    sent at once (``scancel --signal=USR1``, as Slurm sends it). Every rank stops at one step
+    with fn's value; the node helpers live on for the next launch."""
+    result, _ = run_kernel(
+        slurm,
+        tmp_path,
+        """
+        import subprocess, warnings
+
+        def loop():
+            done = 0
+            for _ in nbddp.progress(range(1_000_000)):
+                nbddp.log(x=1.0)
+                time.sleep(0.01)
+                done += 1
+            return [done, nbddp.stopping()]
+
+        cluster = nbddp.SlurmCluster(nodes=2, time="10")
+        run = nbddp.notebook_launch(loop, cluster=cluster, display="none", block=False,
+                                    return_all=True)
+        while len(run.history) < 10:
+            time.sleep(0.05)
+        subprocess.run(["scancel", "--signal=USR1", cluster.job_id], check=True)
+        run.wait(60)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = run.result()
+        again = nbddp.notebook_launch(lambda: 5, cluster=cluster, display="none")
+        cluster.close()
+        print("RESULT " + json.dumps([run.status, value, [str(w.message) for w in caught],
+                                      again]))
+        """,
+        inside=False,
+    )
+    status, value, warned, again = result
+    assert status == "stopped"
+    assert value[0][0] == value[1][0] >= 10 and value[0][1] and value[1][1]  # one step, both
+    assert any("Slurm's signal before the time limit" in w for w in warned), warned
+    assert again == 5

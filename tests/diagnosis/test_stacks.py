@@ -218,7 +218,7 @@ def test_an_interrupt_of_a_stalled_run_carries_the_rollcall(kernel):
         "    deadline = time.time() + 60\n"
         "    while time.time() < deadline:\n"
         "        run = nbddp.last_run()\n"
-        "        if run is not None and run._watch is not None and run._watch.stalled:\n"
+        "        if run is not None and run._rollcalls.watch and run._rollcalls.watch.stalled:\n"
         "            break\n"
         "        time.sleep(0.1)\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"

@@ -145,18 +145,18 @@ def test_fallback_shows_the_same_history():
     assert [row["loss"] for row in nbddp.last_run().history] == [0.0] * 10
 
 
-def progress_passes_through() -> bool:
+def progress_passes_through() -> tuple[bool, bool, int]:
     items = [1, 2, 3]
     shown = nbddp.progress(items)
-    return shown is items and list(shown) == items
+    return shown is items, list(shown) == items, len(shown)
 
 
-def test_progress_is_a_pass_through_off_rank_zero_and_outside_a_launch():
-    assert progress_passes_through()
+def test_progress_is_a_pass_through_outside_a_launch_and_checks_on_every_rank_in_one():
+    assert progress_passes_through() == (True, True, 3)
     nbddp.log(loss=1.0)  # outside a launch: nothing to do, no error
-    # in a launch: rank 0's is the live bar, rank 1's the list itself
+    # in a launch: rank 0's is the live bar; every rank's checks for a graceful stop
     ranks = nbddp.notebook_launch(progress_passes_through, return_all=True, **TWO_CPU_QUIET)
-    assert ranks == [False, True]
+    assert ranks == [(False, True, 3), (False, True, 3)]
 
 
 # -- in a real kernel ---------------------------------------------------------------------------
@@ -295,6 +295,14 @@ def test_background_panel_updates_between_cells_and_its_stop_button_works(kernel
         status, _ = kernel.run("print(run.status, end='')")
         time.sleep(0.2)
     assert status == "stopped"
+    out, _ = kernel.run(  # gracefully: at one step, with the function's value
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    value = run.result()\n"
+        "print(value, any('asked by the Stop button' in str(w.message) for w in caught))"
+    )
+    assert out.strip() == "None True", out
 
 
 def test_fallback_shows_the_same_panel(kernel):

@@ -6,7 +6,9 @@ order, each node's ``NodeAddr``, the CPUs and GPUs the job holds there), and one
 per node is started through ``srun --overlap`` at the first launch and kept warm for later
 launches and sessions (``link.py``).
 
-An allocation nbddp asked for is a sleeper job (``sbatch --wrap 'sleep infinity'``, as
+An allocation nbddp asked for asks Slurm for SIGUSR1 ``SIGNAL_LEAD`` seconds before its time
+limit, sent to its steps: the node helpers ignore it, and each rank asks the kernel for a
+graceful stop (``worker/stopping.py``). It is a sleeper job (``sbatch --wrap 'sleep infinity'``, as
 submitit and ipyparallel submit theirs): while it is pending its queue state is printed as it
 changes; an interrupt then cancels it; ``close()``, the kernel's exit (``atexit``) and a
 failed wait cancel it too, so nothing is left queued or running. The allocation a kernel runs
@@ -35,6 +37,10 @@ if TYPE_CHECKING:
     from nbddp.clusters.slurm.link import HelperLink, HelperStep
 
 POLL_QUEUE = 1.0  # seconds between looks at a pending job's state
+# Seconds before the time limit at which Slurm signals the job's steps (SIGUSR1): the ranks
+# then stop gracefully (Slurm sends it up to a minute early or late; the default stop_grace
+# is 60 s). Options of the user's own ``--signal`` in extra_args win.
+SIGNAL_LEAD = 120
 CANCEL_WAIT = 30.0  # seconds for a cancelled job to leave the queue
 
 _lock = threading.Lock()
@@ -267,6 +273,8 @@ def _sbatch_options(
                 f"SlurmCluster(time={time!r}): Slurm's time limit, e.g. '1:00:00' or 90 (minutes)."
             )
         options.append(f"--time={time}")
+    if not any(str(arg).startswith("--signal") for arg in extra_args or ()):
+        options.append(f"--signal=USR1@{SIGNAL_LEAD}")  # the steps: helpers and ranks
     if isinstance(extra_args, str) or not all(isinstance(a, str) for a in extra_args):
         raise ValueError(
             f"SlurmCluster(extra_args={extra_args!r}) must be a list of sbatch options, e.g. "

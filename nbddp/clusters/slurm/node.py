@@ -17,6 +17,7 @@ import contextlib
 import ipaddress
 import os
 import pickle
+import signal
 import sys
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +76,9 @@ def _is_ipv4(address: str) -> bool:
 
 
 def main() -> int:
+    # Slurm's signal before the time limit reaches every process of this step: the helper and
+    # its forkserver ignore it (inherited), each rank asks for a graceful stop on it
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     address = os.environ.pop(ADDRESS_VARIABLE)
     key = bytes.fromhex(os.environ.pop(KEY_VARIABLE))
     name = os.environ["SLURMD_NODENAME"]

@@ -1,0 +1,160 @@
+"""A launch referee's graceful stop, on a fake clock (``rules/graceful.py``): the agreed step is
+one past the largest count, and the run ends at once when it cannot be graceful: a rank that
+never checked, had not started, did not answer, or outlived ``stop_grace``. The timeout asks
+for a graceful stop first. No process, no waiting."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+
+from nbddp import LaunchTimeout
+from nbddp.rules.graceful import ANSWER
+from nbddp.rules.referee import Referee
+from nbddp.wire.messages import AllJoined, Ended, Joined, Received, Result
+from nbddp.wire.stopping import Checkpointed, Checks, StopAsked, StopAt, StoppedAt
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Events:
+    output = None
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args: self.calls.append((name, args))
+
+
+def running(clock: Clock, world: int = 2, timeout: float | None = None, grace: float = 60.0):
+    sent: list[Any] = []
+    events = Events()
+    judge = Referee(world, False, timeout, events, sent.append, clock=clock, stop_grace=grace)  # type: ignore[arg-type]
+    for rank in range(world):
+        judge.event(Received(rank, Joined(rank), []))
+    assert sent == [AllJoined()]
+    sent.clear()
+    return judge, sent, events
+
+
+def ends(judge: Referee, world: int = 2, value: Any = "value") -> None:
+    for rank in range(world):
+        judge.event(Received(rank, Result(rank, pickle.dumps(value), False), []))
+        judge.event(Ended(rank, 0, ""))
+
+
+def test_the_agreed_step_is_one_past_the_largest_count_and_the_value_is_the_result():
+    clock = Clock()
+    judge, sent, events = running(clock, world=3)
+    judge.stop_gracefully("the Stop button")
+    assert judge.verdict() is None and sent == [StopAsked()]
+    assert ("stopping", ("the Stop button",)) in events.calls
+    for rank, count in ((0, 41), (2, 43)):
+        judge.event(Received(rank, Checks(rank, count), []))
+    assert judge.verdict() is None and sent == [StopAsked()]  # rank 1 has not answered
+    judge.event(Received(1, Checks(1, 42), []))
+    judge.verdict()
+    assert sent == [StopAsked(), StopAt(44)]
+    judge.event(Received(0, StoppedAt(0, 43, "nbddp.progress"), []))
+    judge.event(Received(0, Checkpointed(0, 43, "/ck/step-43", 0.1), []))
+    ends(judge, world=3)
+    outcome = judge.verdict()
+    assert outcome.status == "stopped" and outcome.value == "value"
+    assert "at step 43 (nbddp.progress)" in outcome.graceful
+    assert "asked by the Stop button" in outcome.graceful and "/ck/step-43" in outcome.graceful
+
+
+@pytest.mark.parametrize(
+    ("why", "answers", "waited", "said"),
+    [
+        ("a rank never checked", {0: 5, 1: 0}, 0.0, "rank 1 had not checked"),
+        ("a rank does not answer", {0: 5}, ANSWER, "rank(s) 1 did not answer"),
+        ("the grace runs out", {0: 5, 1: 5}, 30.0, "not ended 30 s after"),
+    ],
+)
+def test_a_stop_that_cannot_be_graceful_ends_the_run_at_once(why, answers, waited, said):
+    clock = Clock()
+    judge, _sent, _ = running(clock, grace=30.0)
+    judge.stop_gracefully("run.stop(graceful=True)")
+    judge.verdict()
+    for rank, count in answers.items():
+        judge.event(Received(rank, Checks(rank, count), []))
+    clock.now += waited - 0.001
+    if waited:
+        assert judge.verdict() is None, why
+        assert judge.deadline() == pytest.approx(clock.now + 0.001)
+    clock.now += 0.001
+    outcome = judge.verdict()
+    assert outcome.status == "stopped" and outcome.graceful is None, why
+    assert said in outcome.warning, why
+
+
+def test_a_stop_before_every_rank_started_ends_at_once():
+    clock = Clock()
+    sent: list[Any] = []
+    judge = Referee(2, False, None, Events(), sent.append, clock=clock)  # type: ignore[arg-type]
+    judge.event(Received(0, Joined(0), []))  # rank 1 is still joining: fn has not started
+    judge.stop_gracefully("the interrupt (■)")
+    outcome = judge.verdict()
+    assert outcome.status == "stopped" and "not every rank had started" in outcome.warning
+    assert StopAsked() not in sent
+
+
+def test_the_timeout_asks_for_a_graceful_stop_first_then_times_out_after_the_grace():
+    clock = Clock()
+    judge, sent, _ = running(clock, timeout=10.0, grace=5.0)
+    clock.now += 10.0
+    assert judge.verdict() is None and sent == [StopAsked()]
+    for rank in range(2):
+        judge.event(Received(rank, Checks(rank, 7), []))
+    judge.verdict()
+    assert sent[-1] == StopAt(8)
+    assert judge.deadline() == pytest.approx(clock.now + 5.0)  # the grace, not the timeout
+    clock.now += 5.0
+    outcome = judge.verdict()
+    assert isinstance(outcome.error, LaunchTimeout)
+    assert "not ended 5 s after the graceful stop" in str(outcome.error)
+
+
+def test_a_timeout_of_a_run_that_checks_ends_it_stopped_with_its_value():
+    clock = Clock()
+    judge, _sent, _ = running(clock, timeout=10.0)
+    clock.now += 10.0
+    judge.verdict()
+    for rank in range(2):
+        judge.event(Received(rank, Checks(rank, 3), []))
+    judge.verdict()
+    judge.event(Received(0, StoppedAt(0, 3, "nbddp.stopping()"), []))
+    ends(judge)
+    outcome = judge.verdict()
+    assert outcome.status == "stopped" and outcome.value == "value"
+    assert "asked by the timeout of 10 s" in outcome.graceful
+
+
+def test_a_run_that_is_ending_is_stopped_at_once():
+    clock = Clock()
+    judge, sent, _ = running(clock)
+    judge.event(Received(0, Result(0, pickle.dumps(1), False), []))
+    judge.stop_gracefully("the interrupt (■)")
+    outcome = judge.verdict()
+    assert sent == []  # no step is left to agree on: a rank returned
+    assert outcome.status == "stopped" and "already returned" in outcome.warning
+
+
+def test_a_rank_that_never_checked_ends_the_run_before_the_others_answer():
+    clock = Clock()
+    judge, _, _ = running(clock, world=3)
+    judge.stop_gracefully("the interrupt (■)")
+    judge.verdict()
+    judge.event(Received(2, Checks(2, 0), []))  # ranks 0 and 1 have not answered yet
+    outcome = judge.verdict()
+    assert outcome.status == "stopped" and "rank 2 had not checked" in outcome.warning
