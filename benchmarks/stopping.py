@@ -93,7 +93,9 @@ def checkpoint_times(megabytes: int, directory: str) -> dict[str, list[float]]:
 
     width = 1024
     layers = max(1, megabytes * 2**20 // (width * width * 4))
-    model = nbddp.prepare_model(torch.nn.Sequential(*[torch.nn.Linear(width, width)] * layers))
+    model = nbddp.prepare_model(
+        torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    )
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(2, width)).sum().backward()
     optimizer.step()
