@@ -51,7 +51,9 @@ def notebook_launch(
     environment and a default process group made before ``fn`` is called. One resolved worker
     runs ``fn`` in the kernel itself (a world of 1). A failure on any rank ends every rank and
     raises [nbddp.WorkerError][] here; a kernel interrupt ends every rank and raises
-    ``KeyboardInterrupt``. Bad arguments raise ``ValueError`` before any process starts.
+    ``KeyboardInterrupt``, except that the first one of a run that checks
+    [nbddp.stopping][] stops it gracefully. Bad arguments raise ``ValueError`` before any
+    process starts.
 
     Tensors and arrays that ``fn`` captures are not copied per rank: their bytes sit once in
     shared memory that every rank maps copy-on-write (a rank's writes stay its own).
@@ -70,8 +72,9 @@ def notebook_launch(
         gpus: The GPU indices to use, like ``CUDA_VISIBLE_DEVICES``. ``gpus=[0, 0]`` with
             ``backend="gloo"`` puts two ranks on one GPU: a testing aid for single-GPU
             machines (NCCL refuses it).
-        timeout: Seconds for the whole run, then every rank is ended and
-            [nbddp.LaunchTimeout][] raised; None: no limit.
+        timeout: Seconds for the whole run; None: no limit. Then a run that checks
+            [nbddp.stopping][] (or [nbddp.progress][]) stops gracefully and returns its value,
+            with a warning; any other is ended and [nbddp.LaunchTimeout][] raised.
         display: The live view: "auto", "widget" (the HTML panel), "text" (tqdm-style
             lines) or "none".
         output: Whose prints and rich output reach the notebook: "rank0", "all" (each line
@@ -88,6 +91,10 @@ def notebook_launch(
         stall_after: Seconds without progress on any rank (log rows, bars, output, CPU time)
             before the panel shows where each rank is; None turns the banner off. Nothing is
             killed.
+        debug: True: an uncaught exception on a rank opens post-mortem pdb at the frame that
+            raised, in the notebook's input box, the other ranks held, before the run fails as
+            usual. (``breakpoint()`` on a rank opens pdb there in any case;
+            [nbddp.breakpoint][] stops one rank and holds the others.)
         checkpoint_dir: Where [nbddp.checkpoint][] saves; None: a directory named after
             ``fn`` under ``./nbddp-checkpoints/``, the same at its next launch, so that
             [nbddp.restore][] resumes it.
@@ -96,11 +103,6 @@ def notebook_launch(
             many times; [nbddp.restore][] in ``fn`` then resumes from the last checkpoint.
         stop_grace: Seconds a graceful stop (Stop, the first interrupt, ``timeout``) may
             take before the ranks are ended at once.
-
-        debug: True: an uncaught exception on a rank opens post-mortem pdb at the frame that
-            raised, in the notebook's input box, the other ranks held, before the run fails as
-            usual. (``breakpoint()`` on a rank opens pdb there in any case;
-            [nbddp.breakpoint][] stops one rank and holds the others.)
 
     Returns:
         Rank 0's return value, with tensors on the CPU and DDP wrappers unwrapped (a list of
