@@ -11,8 +11,10 @@ and 90th percentiles. Loops: "natural", a small MLP trained with DDP; "extreme",
 work per step (the fixed cost shows).
 
 Checkpoints. 2 gloo ranks save the same DDP model + Adam state (sizes below) with
-``nbddp.checkpoint`` and with ``get_state_dict`` + ``dcp.save`` into a fresh directory,
-interleaved, ``SAVES`` times each; the wall time of each save on rank 0 (p50, p90, max).
+``nbddp.checkpoint`` and with ``get_state_dict`` + ``dcp.save`` into a fresh directory (with
+DCP's default planner, and with ``DefaultSavePlanner(dedup_save_to_lowest_rank=True)``,
+nbddp's), interleaved, ``SAVES`` times each; the wall time of each save on rank 0 (p50, p90,
+max).
 
 Run: python benchmarks/stopping.py
 """
@@ -32,6 +34,10 @@ import nbddp
 ROUNDS = 30
 SAVES = 12
 SIZES_MB = (4, 64, 256)  # parameters' size; Adam's state doubles it
+# dcp.save as DCP plans it by default (each replicated tensor written by one rank, the writes
+# spread over the ranks), and as nbddp.checkpoint asks (rank 0 writes what every rank holds,
+# the way torch.save on rank 0 does, so that an object that differs by rank is rank 0's)
+MODES = ("nbddp.checkpoint", "dcp.save", "dcp.save, rank 0 writes")
 
 
 def per_step(kind: str, steps: int) -> dict[str, list[float]]:
@@ -89,6 +95,7 @@ def checkpoint_times(megabytes: int, directory: str) -> dict[str, list[float]]:
     """Seconds per save, rank 0's, of ``nbddp.checkpoint`` and of DCP called directly."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     width = 1024
@@ -99,7 +106,7 @@ def checkpoint_times(megabytes: int, directory: str) -> dict[str, list[float]]:
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(2, width)).sum().backward()
     optimizer.step()
-    times: dict[str, list[float]] = {"nbddp.checkpoint": [], "dcp.save": []}
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for i in range(SAVES + 1):  # the first of each warms up
         for mode in times if i % 2 == 0 else reversed(list(times)):
             dist.barrier()
@@ -107,9 +114,14 @@ def checkpoint_times(megabytes: int, directory: str) -> dict[str, list[float]]:
             if mode == "nbddp.checkpoint":
                 nbddp.checkpoint({"model": model, "optimizer": optimizer}, step=i)
             else:
-                target = os.path.join(directory, "direct", f"save-{i}")
+                target = os.path.join(directory, mode.replace(" ", "-"), f"save-{i}")
                 model_state, optimizer_state = get_state_dict(model, optimizer)
-                dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=target)
+                planner = DefaultSavePlanner(dedup_save_to_lowest_rank=mode != "dcp.save")
+                dcp.save(
+                    {"model": model_state, "optimizer": optimizer_state},
+                    checkpoint_id=target,
+                    planner=planner,
+                )
             if i:
                 times[mode].append(time.perf_counter() - started)
     return times
@@ -148,16 +160,15 @@ def main() -> None:
             f"({_spread(diff('plain again'))}) | {_us(diff('all-reduce flag'))} |"
         )
     print()
-    print("| state (params + Adam) | nbddp.checkpoint p50 / p90 / max | dcp.save p50 / p90 / max |")
-    print("| --- | ---: | ---: |")
+    print("| state (params + Adam) | " + " | ".join(f"{m} p50 / p90 / max" for m in MODES) + " |")
+    print("| --- | ---: | ---: | ---: |")
     for megabytes in SIZES_MB:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as directory:
             times = nbddp.notebook_launch(
                 checkpoint_times, (megabytes, directory), checkpoint_dir=directory, **options
             )
         print(
-            f"| {megabytes * 3} MB | {_seconds(times['nbddp.checkpoint'])} s "
-            f"| {_seconds(times['dcp.save'])} s |"
+            f"| {megabytes * 3} MB | " + " | ".join(f"{_seconds(times[m])} s" for m in MODES) + " |"
         )
     sys.stdout.flush()
 
