@@ -68,7 +68,7 @@ class Run:
         self._rollcalls = RollCalls(
             plan.world_size,
             self._state.answers,
-            backend.ask,
+            lambda message: self._runner.ask(message),
             self._state.show_where,
             lambda: self._done.is_set() or self._outcome is not None,
         )
