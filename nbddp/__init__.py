@@ -2,7 +2,8 @@
 
 Kernel side: :func:`notebook_launch`, :func:`spawn` (``mp.spawn``'s shape), :class:`Run`,
 :func:`last_run`, :class:`Session`, :class:`RayCluster`, :class:`SlurmCluster`,
-:func:`set_cluster`, :func:`export`.
+:func:`set_cluster`, :func:`export`; detached runs: :func:`runs`, :class:`RunInfo`,
+:func:`attach`.
 Worker side (inside the launched function; each also works outside a launch as rank 0 of 1):
 :func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
 :func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`,
@@ -40,12 +41,14 @@ __all__ = [
     "NbddpWarning",
     "RayCluster",
     "Run",
+    "RunInfo",
     "RunStopped",
     "SerializationError",
     "Session",
     "SlurmCluster",
     "Stacks",
     "WorkerError",
+    "attach",
     "barrier",
     "breakpoint",
     "checkpoint",
@@ -62,6 +65,7 @@ __all__ = [
     "progress",
     "rank",
     "restore",
+    "runs",
     "set_cluster",
     "spawn",
     "stopping",
@@ -75,6 +79,8 @@ if TYPE_CHECKING:
     from nbddp.clusters.choice import set_cluster
     from nbddp.clusters.ray.cluster import RayCluster
     from nbddp.clusters.slurm.allocation import SlurmCluster
+    from nbddp.detached.attached import attach
+    from nbddp.detached.info import RunInfo, runs
     from nbddp.diagnosis.stacks import Stacks
     from nbddp.exporting import export
     from nbddp.launch import notebook_launch, spawn
@@ -92,6 +98,9 @@ _KERNEL_SIDE = {
     "set_cluster": "clusters.choice",
     "Session": "sessions.session",
     "Stacks": "diagnosis.stacks",
+    "runs": "detached.info",
+    "RunInfo": "detached.info",
+    "attach": "detached.attached",
 }
 
 

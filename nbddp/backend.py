@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from nbddp.wire.call import Call
 from nbddp.wire.messages import BarSnapshot, Block, Display, Output, RankEvent, Task
@@ -54,6 +54,7 @@ class Outcome(NamedTuple):
     exit_warnings: tuple[str, ...] = ()  # what went wrong in the ranks' exit handlers
     graceful: str | None = None  # a run stopped gracefully: at which step and why (its value
     # is fn's)
+    duration: float | None = None  # the run's length, when known better than here (a replay)
 
 
 class RunEvents(Protocol):
@@ -104,6 +105,17 @@ class RunEvents(Protocol):
 
 
 Finish = Callable[[Outcome], None]
+
+
+@runtime_checkable
+class Kept(Protocol):
+    """A backend whose run is kept after it ends (a detached run's directory)."""
+
+    @property
+    def id(self) -> str | None: ...
+
+    def forget(self) -> None:
+        """Delete what is kept; ValueError while the run still runs."""
 
 
 class Backend(Protocol):

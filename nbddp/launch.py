@@ -11,6 +11,7 @@ from typing import Any
 from nbddp import interrupts
 from nbddp.backend import Backend, Ranks
 from nbddp.local.in_kernel import InKernel, device_name
+from nbddp.local.processes import Starter
 from nbddp.local.ranks import local_ranks
 from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan
 from nbddp.recovery import KEEP, STOP_GRACE, default_checkpoint_dir
@@ -44,6 +45,7 @@ def notebook_launch(
     keep: int = KEEP,
     max_restarts: int = 0,
     stop_grace: float = STOP_GRACE,
+    detach: bool = False,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank of a DDP job started from the notebook.
 
@@ -91,6 +93,11 @@ def notebook_launch(
         stall_after: Seconds without progress on any rank (log rows, bars, output, CPU time)
             before the panel shows where each rank is; None turns the banner off. Nothing is
             killed.
+        detach: True gives the ranks a supervisor of their own, outside the kernel: the run
+            outlives a kernel restart or death, any later kernel can list it
+            ([nbddp.runs][]) and follow it ([nbddp.attach][]); returns the [nbddp.Run][] at
+            once (on Slurm, a batch job; refused on Ray).
+
         debug: True: an uncaught exception on a rank opens post-mortem pdb at the frame that
             raised, in the notebook's input box, the other ranks held, before the run fails as
             usual. (``breakpoint()`` on a rank opens pdb there in any case;
@@ -143,6 +150,7 @@ def notebook_launch(
         keep=keep,
         max_restarts=max_restarts,
         stop_grace=stop_grace,
+        detach=detach,
     )
     return launch_plan(fn, tuple(args), dict(kwargs or {}), plan)
 
@@ -261,11 +269,13 @@ def launch_plan(
     kwargs: dict[str, Any],
     plan: LaunchPlan,
     names: Mapping[str, Any] | None = None,
+    cell: Mapping[str, Any] | None = None,
 ) -> Any:
     """Run a resolved plan with the backend it needs; wait for it unless ``plan.block`` is
-    False. ``names``: what the call carries, by the names the user knows (``%%ddp``)."""
+    False. ``names``: what the call carries, by the names the user knows (``%%ddp``);
+    ``cell``: what a detached ``%%ddp`` cell's run keeps to bring its names back on attach."""
     __tracebackhide__ = True  # IPython: show the user's frames, not ours
-    backend, name = _backend_for(fn, args, kwargs, plan, names)
+    backend, name = _backend_for(fn, args, kwargs, plan, names, cell)
     run = Run(plan, backend, name)
     remember(run)
     return run.drive(plan.block)
@@ -277,8 +287,16 @@ def _backend_for(
     kwargs: dict[str, Any],
     plan: LaunchPlan,
     names: Mapping[str, Any] | None = None,
+    cell: Mapping[str, Any] | None = None,
 ) -> tuple[Backend, str]:
     """The backend and the device's name for the header; raises before anything starts."""
+    if plan.detach:
+        from nbddp.detached.launching import DetachedLaunch
+
+        # SerializationError before any process; on Slurm the bytes go into the job's file
+        call = dumps_call(fn, args, kwargs, names, segment=plan.cluster is None)
+        meta = {"name": _name(fn), "kind": "function"} if cell is None else dict(cell)
+        return DetachedLaunch(plan, call, meta), "cpu" if plan.device == "cpu" else "GPU"
     if plan.in_kernel:
         return InKernel(plan, fn, args, kwargs), device_name(plan)
 
@@ -297,12 +315,15 @@ def _backend_for(
     return Supervised(plan, ranks(), remake), "cpu" if plan.device == "cpu" else "GPU"
 
 
-def ranks_for(plan: LaunchPlan, call: Call, session: bool = False) -> Ranks:
+def ranks_for(
+    plan: LaunchPlan, call: Call, session: bool = False, starter: Starter | None = None
+) -> Ranks:
     """Where the ranks of ``plan`` run: processes on this machine, or on the nodes of
     ``plan.cluster`` through its engine (``session``: ranks that stay up and take tasks).
-    Nothing starts, and nothing is opened, until their ``start``."""
+    Nothing starts, and nothing is opened, until their ``start``. ``starter``: how this
+    machine's ranks are started (a detached run's supervisor has a helper of its own)."""
     if plan.cluster is None:
-        return local_ranks(plan, call, session=session)
+        return local_ranks(plan, call, starter, session=session)
     from nbddp.clusters.ranks import cluster_ranks  # Ray or Slurm, imported when named
 
     return cluster_ranks(plan, call, session)

@@ -62,11 +62,13 @@ class LaunchPlan:
     keep: int = KEEP  # complete checkpoints kept
     max_restarts: int = 0  # whole-world restarts after a failure
     stop_grace: float = STOP_GRACE  # seconds a graceful stop may take
+    detach: bool = False  # the ranks belong to a supervisor outside the kernel (detached/)
+    batch: tuple[str, ...] = ()  # a detached run on Slurm: its batch job's sbatch options
 
     @property
     def in_kernel(self) -> bool:
         """One rank on this machine runs in the kernel itself: no worker process at all."""
-        return self.world_size == 1 and self.cluster is None
+        return self.world_size == 1 and self.cluster is None and not self.detach
 
 
 def check_stall_after(stall_after: Any) -> float | None:
@@ -119,12 +121,18 @@ def make_plan(
     keep: int = KEEP,
     max_restarts: int = 0,
     stop_grace: float = STOP_GRACE,
+    detach: bool = False,
     gpu_count: int | None = None,
 ) -> LaunchPlan:
     """Validate and resolve the launch options. ``gpu_count`` overrides detection (tests)."""
+    if not isinstance(detach, bool):
+        raise ValueError(f"detach={detach!r} must be True or False.")
     if device not in DEVICE_OPTIONS:
         raise ValueError(f"device={device!r} is not one of {_choices(DEVICE_OPTIONS)}.")
     on_cluster = resolve_cluster(cluster)
+    batch: list[str] = []  # a detached run's batch job, on Slurm: sbatch's options
+    if detach:
+        _check_detachable(on_cluster)
     if on_cluster is None:
         if nodes != "auto" or workers_per_node != "auto":
             raise ValueError(
@@ -142,8 +150,15 @@ def make_plan(
                 "gpus= selects this machine's GPUs; on a cluster, workers_per_node= sets how "
                 "many GPUs of each node are used. Drop gpus=."
             )
-        placed = place_on_cluster(on_cluster, num_workers, device, nodes, workers_per_node)
-        resolved_device, n_nodes, per_node = placed
+        if detach:  # a batch job of its own: no allocation to place on (Slurm)
+            from nbddp.clusters.slurm.allocation import SlurmCluster
+
+            assert isinstance(on_cluster, SlurmCluster)  # _check_detachable
+            shape = on_cluster.batch_shape(num_workers, device, nodes, workers_per_node)
+            resolved_device, n_nodes, per_node, batch = shape
+        else:
+            placed = place_on_cluster(on_cluster, num_workers, device, nodes, workers_per_node)
+            resolved_device, n_nodes, per_node = placed
         workers, rank_gpus = n_nodes * per_node, ()
 
     resolved_backend: DistBackend
@@ -178,7 +193,7 @@ def make_plan(
         display=display,  # type: ignore[arg-type]
         output=output,  # type: ignore[arg-type]
         return_all=return_all,
-        block=block,
+        block=block and not detach,  # a detached launch never waits
         env=_check_env(env, resolved_device),
         cluster=on_cluster,
         nodes=n_nodes,
@@ -187,7 +202,26 @@ def make_plan(
         stall_after=stall,
         debug=debug,
         **stopping,
+        detach=detach,
+        batch=tuple(batch),
     )
+
+
+def _check_detachable(cluster: Any) -> None:
+    """Where a run cannot be detached, say so before anything starts."""
+    if cluster is None:
+        return
+    kind = type(cluster).__name__
+    if kind == "RayCluster":
+        raise ValueError(
+            "detach=True is not available on Ray: a detached run must be listed, attached to "
+            "and stopped by its owner only, but every driver connected to a Ray cluster can "
+            "get, call and kill any named actor (Ray has no users), so nbddp cannot keep that "
+            "promise there. Run it attached (block=False keeps the notebook free), or detach "
+            "it on this machine or on Slurm."
+        )
+    if kind != "SlurmCluster":
+        raise ValueError(f"detach=True cannot run on {cluster!r}.")
 
 
 def exit_timeout() -> float:

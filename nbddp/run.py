@@ -6,12 +6,14 @@ state model and the live view, starts the backend, and is told the outcome once.
 
 from __future__ import annotations
 
+import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from nbddp import interrupts
-from nbddp.backend import Backend, Outcome, Status
+from nbddp.backend import Backend, Kept, Outcome, Status
 from nbddp.diagnosis import input_box
 from nbddp.diagnosis.rollcalls import RollCalls
 from nbddp.diagnosis.stacks import Stacks
@@ -43,7 +45,11 @@ class Run:
     ``status`` is "running", then one of "succeeded", "failed" or "stopped".
     """
 
-    def __init__(self, plan: LaunchPlan, backend: Backend, device_name: str) -> None:
+    def __init__(
+        self, plan: LaunchPlan, backend: Backend, device_name: str, began: float | None = None
+    ) -> None:
+        """``began``: the launch's ``time.time()``, for a run launched before this handle."""
+        self._id = secrets.token_hex(4)
         self.world_size = plan.world_size
         """How many ranks the run has."""
         self.device = plan.device
@@ -55,6 +61,9 @@ class Run:
         self._state = RunState(
             plan.world_size, plan.device, plan.backend, device_name, nodes=plan.nodes
         )
+        if began is not None:
+            self._state.started_at = time.monotonic() - max(0.0, time.time() - began)
+            self._state.last_progress = time.monotonic()
         if plan.output != "none":  # the ranks' display() and figures, in this cell
             self._state.rich = RichOutputs(plan.output)
         self._prompts = self._state.prompts  # the ranks' pdb and input(): the input box
@@ -127,6 +136,24 @@ class Run:
     def stacks_at_stop(self) -> Stacks | None:
         """Where the ranks were when a run that had stalled was stopped (else None)."""
         return self._rollcalls.at_stop
+
+    @property
+    def id(self) -> str:
+        """This run's id: a detached run's, which ``nbddp.attach`` and ``%ddp_attach`` take,
+        or one of this handle's own."""
+        runner = self._runner
+        return (runner.id if isinstance(runner, Kept) else None) or self._id
+
+    @property
+    def detached(self) -> bool:
+        """Whether the run belongs to a supervisor of its own (``detach=True``, ``attach``)."""
+        return isinstance(self._runner, Kept)
+
+    def forget(self) -> None:
+        """Delete a finished detached run's kept output and result (ValueError while it runs:
+        stop it first). A run that is not detached keeps nothing: nothing to do."""
+        if isinstance(self._runner, Kept):
+            self._runner.forget()
 
     @property
     def status(self) -> Status:
@@ -300,7 +327,10 @@ class Run:
             self._prompts.close()  # a question still in the input box has no one to go to
             try:
                 self._state.finish(
-                    outcome.status, outcome.error, outcome.warning or outcome.graceful
+                    outcome.status,
+                    outcome.error,
+                    outcome.warning or outcome.graceful,
+                    outcome.duration,
                 )
                 if self._display is not None:  # the final panel is drawn before anyone is told
                     self._display.close()

@@ -260,12 +260,16 @@ class RunState:
             self._bump()
 
     def finish(
-        self, status: Status, error: BaseException | None, warning: str | None = None
+        self,
+        status: Status,
+        error: BaseException | None,
+        warning: str | None = None,
+        duration: float | None = None,
     ) -> None:
         with self.changed:
             self.metrics.finish()
             self.status = status
-            self.ended = time.monotonic()
+            self.ended = time.monotonic() if duration is None else self.started_at + duration
             if error is not None:
                 self.error_line = first_line(error)
             self.warning = warning or ""

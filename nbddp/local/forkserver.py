@@ -49,11 +49,12 @@ def enabled() -> bool:
 
 class WarmStarter:
     """Starts ranks through the helper when it is ready, cold otherwise. ``mirror``: tell the
-    helper what this process imports (the kernel's starter; a cluster node's does not)."""
+    helper what this process imports (the kernel's starter; a cluster node's does not).
+    ``helper``: one this process made itself (a detached run's supervisor forks its own)."""
 
-    def __init__(self, mirror: bool = False) -> None:
+    def __init__(self, mirror: bool = False, helper: Helper | None = None) -> None:
         self._cold = ColdStarter()
-        self._helper: Helper | None = None
+        self._helper: Helper | None = helper
         self._mirror: Mirror | None = None
         self._mirroring = mirror
         self._lock = threading.Lock()

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 
 from nbddp.environment import WORKER_VARIABLE, without_launchers
-from nbddp.local.processes import signal_group
+from nbddp.local.processes import ForkedProcess, signal_group
 from nbddp.wire.frames import Connection
 from nbddp.wire.helper import (
     Exited,
@@ -78,14 +78,17 @@ class WarmProcess:
 
 class Helper:
     """The helper process: started from a fresh interpreter, never a fork of the kernel.
-    ``exclude``: modules it must not import (``NBDDP_PRELOAD_EXCLUDE``, the user's added)."""
+    ``exclude``: modules it must not import (``NBDDP_PRELOAD_EXCLUDE``, the user's added).
+    ``forked``: the socket and pid of a helper this process forked itself (a detached run's
+    supervisor does: ``worker.forkserver.fork_server``), instead of starting one."""
 
-    def __init__(self, exclude: Iterable[str] = ()) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._conn = Connection(ours)
+    def __init__(
+        self, exclude: Iterable[str] = (), forked: tuple[socket.socket, int] | None = None
+    ) -> None:
         self._requests = itertools.count(1)
         self._replies: dict[int, WarmProcess | str] = {}  # a rank, or why it failed
         self._waiting: set[int] = set()  # requests whose caller still waits
+        self._detached: set[int] = set()  # requests for a detached supervisor: not ours to track
         self._changed = threading.Condition()
         self._ranks: dict[int, WarmProcess] = {}
         self._heard = time.monotonic()
@@ -97,13 +100,24 @@ class Helper:
         self.unsafe: tuple[str, str] | None = None  # (module, reason): it forks no more
         self.hung = False
         self.retired = False  # replaced: closed once its last rank is released
+        self.process: subprocess.Popen[bytes] | ForkedProcess
+        if forked is not None:
+            self._conn = Connection(forked[0])
+            self.process = ForkedProcess(forked[1])
+        else:
+            self._conn, self.process = self._start(exclude)
+        threading.Thread(target=self._read, name="nbddp-helper", daemon=True).start()
+
+    @staticmethod
+    def _start(exclude: Iterable[str]) -> tuple[Connection, subprocess.Popen[bytes]]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {**without_launchers(os.environ), WORKER_VARIABLE: "helper", "PYTHONUNBUFFERED": "1"}
         env[EXCLUDE_VARIABLE] = ",".join(sorted(user_excluded() | set(exclude)))
         # torch.cuda.is_available() asks NVML, not the CUDA driver, when a module calls it at
         # import: the driver, once loaded, would make the helper unsafe to fork (a rank reads
         # its own environment again)
         env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-        self.process = subprocess.Popen(
+        process = subprocess.Popen(
             [
                 sys.executable,
                 "-c",
@@ -118,7 +132,7 @@ class Helper:
             start_new_session=True,
         )
         theirs.close()
-        threading.Thread(target=self._read, name="nbddp-helper", daemon=True).start()
+        return Connection(ours), process
 
     def alive(self) -> bool:
         return not self.dead.is_set() and self.process.poll() is None
@@ -175,12 +189,16 @@ class Helper:
         with self._changed:
             if reply.request in self._waiting:
                 answer: WarmProcess | str = (
-                    reply.reason if isinstance(reply, SpawnFailed) else self._track(reply.pid)
+                    reply.reason
+                    if isinstance(reply, SpawnFailed)
+                    else "detached"
+                    if reply.request in self._detached
+                    else self._track(reply.pid)
                 )
                 self._replies[reply.request] = answer
                 return
-        if isinstance(reply, Spawned):  # its caller gave up (interrupt, timeout): end it now
-            self._abandon(reply.pid)
+        if isinstance(reply, Spawned) and reply.request not in self._detached:
+            self._abandon(reply.pid)  # its caller gave up (interrupt, timeout): end it now
 
     def _track(self, pid: int) -> WarmProcess:
         rank = WarmProcess(self, pid)
@@ -230,6 +248,30 @@ class Helper:
                 "the warm helper " + ("is gone" if self.dead.is_set() else "did not answer")
             )
         raise OSError(f"the warm helper could not fork a rank: {answer}")
+
+    def spawn_detached(self, argv: list[str], env: dict[str, str], fds: list[int]) -> None:
+        """Fork a detached run's supervisor (``worker/leaving.py``); ``fds``: its stdout,
+        stderr and link. Raises OSError when the helper cannot."""
+        request = next(self._requests)
+        with self._changed:
+            self._waiting.add(request)
+            self._detached.add(request)
+        try:
+            self._conn.send(Spawn(request, argv, env, detached=True), fds=fds)
+            with self._changed:
+                self._changed.wait_for(
+                    lambda: request in self._replies or self.dead.is_set(), REPLY_WAIT
+                )
+                answer = self._replies.pop(request, None)
+        finally:
+            with self._changed:
+                self._waiting.discard(request)
+                self._detached.discard(request)
+        if answer != "detached":
+            raise OSError(
+                "the warm helper could not fork the supervisor: "
+                + (str(answer) if answer is not None else "it did not answer")
+            )
 
     def release(self, pid: int) -> None:
         self._ranks.pop(pid, None)

@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Protocol
 
@@ -86,7 +86,12 @@ class ColdProcess:
 
 
 class ColdStarter:
-    """A brand-new interpreter per rank: ~1-2 s of ``import torch`` each, nothing inherited."""
+    """A brand-new interpreter per rank: ~1-2 s of ``import torch`` each, nothing inherited.
+    ``die_with_starter``: each rank is killed when the thread that started it ends (a detached
+    run's supervisor, whose ranks must not outlive it however it dies)."""
+
+    def __init__(self, die_with_starter: bool = False) -> None:
+        self._die_with_starter = die_with_starter
 
     def warm_up(self) -> None:
         pass
@@ -100,8 +105,50 @@ class ColdStarter:
             stderr=stderr,
             start_new_session=True,
             close_fds=True,
+            preexec_fn=_die_with(os.getpid()) if self._die_with_starter else None,
         )
         return ColdProcess(popen)
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    def in_the_child() -> None:  # between fork and exec: prctl and a check, nothing else
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(1)
+
+    return in_the_child
+
+
+class ForkedProcess:
+    """A helper forked by this process (``worker.forkserver.fork_server``), handled like the
+    ``Popen`` of a started one."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._code: int | None = None
+
+    def poll(self) -> int | None:
+        if self._code is None:
+            with contextlib.suppress(ChildProcessError):
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+                if done:
+                    self._code = os.waitstatus_to_exitcode(status)
+        return self._code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("nbddp helper", timeout or 0)
+            time.sleep(0.01)
+        assert self._code is not None
+        return self._code
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def terminate(

@@ -103,6 +103,12 @@ class DDPMagics(Magics):
         help="ranks per node (default: its GPUs on cuda, 1 on cpu)",
     )
     @argument(
+        "--detach",
+        action="store_true",
+        help="run it outside this kernel: it outlives a restart; prints its id; "
+        "%%ddp_attach ID shows it and brings its names back",
+    )
+    @argument(
         "--export",
         type=str,
         default=None,
@@ -133,6 +139,11 @@ class DDPMagics(Magics):
         args = parse_argstring(self.ddp, line)
         if args.out is not None and args.no_out:
             raise UsageError("%%ddp: use either --out NAME,NAME or --no-out, not both.")
+        if args.detach and (args.session or args.export is not None):
+            raise UsageError(
+                "%%ddp --detach starts ranks of its own outside this kernel; it cannot run "
+                f"{'on the session' if args.session else 'as an export'}. Drop one of them."
+            )
         if args.export is not None:
             return self._export(line, cell, args)
         if args.session:
@@ -153,6 +164,7 @@ class DDPMagics(Magics):
                     "auto" if args.workers_per_node is None else args.workers_per_node
                 ),
                 **stopping_options(args, self.shell, cell),
+                detach=args.detach,
             )
         except ValueError as exc:
             raise UsageError(f"%%ddp: {exc}") from None
@@ -226,13 +238,26 @@ class DDPMagics(Magics):
         source, filename, names = self._prepare_cell(line, cell)
         out_names = crossing.out_names(args, names, filename, held=frozenset())
         inputs = crossing.inputs(self._namespace, names, held=frozenset())
-        outcome: CellOutcome = launch_plan(
+        kept = None
+        if plan.detach:  # what a later kernel needs to bring the names back
+            assert self.shell is not None
+            label = f"In[{self.shell.execution_count}]"
+            kept = {"name": f"%%ddp {label}", "kind": "cell", "line": line, "cell": cell}
+            kept["filename"] = filename
+        outcome: Any = launch_plan(
             run_cell,
             (source, filename, inputs, out_names, cells.shows_last_value(source), names.deletes),
             {},
             plan,
             names=inputs,
+            cell=kept,
         )
+        if plan.detach:
+            print(
+                f"Detached run {outcome.id}: it goes on if this kernel stops. "
+                f"%ddp_attach {outcome.id} shows it and brings its names back."
+            )
+            return None
         return crossing.bring_back(self._namespace, outcome, source, filename, session=False)
 
     def _run_in_session(self, line: str, cell: str, args: Any) -> Any:
@@ -320,12 +345,15 @@ def _cell_number(shell: Any) -> int | None:
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    from nbddp.notebook.detached_magic import DetachedMagics
     from nbddp.notebook.session_magic import SessionMagics
 
     ipython.register_magics(DDPMagics)
     ipython.register_magics(SessionMagics)
+    ipython.register_magics(DetachedMagics)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     ipython.magics_manager.magics["cell"].pop("ddp", None)
-    ipython.magics_manager.magics["line"].pop("ddp_session", None)
+    for name in ("ddp_session", "ddp_attach", "ddp_runs"):
+        ipython.magics_manager.magics["line"].pop(name, None)

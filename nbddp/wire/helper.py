@@ -11,11 +11,14 @@ from typing import NamedTuple
 
 class Spawn(NamedTuple):
     """Kernel -> helper: fork a rank running ``argv`` with ``env``; its stdout and stderr pipe
-    ends ride on the frame."""
+    ends ride on the frame. ``detached``: a detached run's supervisor instead, outside every
+    process tree (its link to the kernel rides third on the frame, as its descriptor 3); the
+    reply's pid is then that of the middle child, already reaped."""
 
     request: int
     argv: list[str]
     env: dict[str, str]
+    detached: bool = False
 
 
 class Preload(NamedTuple):
@@ -68,6 +71,7 @@ class Handoff(NamedTuple):
     argv: list[str]
     env: dict[str, str]
     drop: list[str]
+    detached: bool = False  # a detached run's supervisor (``worker/leaving.py``), not a rank
 
 
 class Imported(NamedTuple):

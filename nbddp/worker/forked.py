@@ -21,6 +21,7 @@ import sys
 
 from nbddp.wire.frames import Connection
 from nbddp.wire.helper import Handoff, Imported
+from nbddp.worker.leaving import leave_and_supervise
 from nbddp.worker.preload import drop, new_modules
 
 _PR_SET_PDEATHSIG = 1
@@ -40,14 +41,18 @@ def fork_child(inherited: list[int], channel: socket.socket) -> int:
         return pid
     code = 1
     try:
-        _die_with(helper)
+        die_with(helper)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in inherited:
             os.close(fd)
         conn = Connection(channel)
         frame = conn.recv()  # EOFError when the helper goes (or discards us): we go too
-        code = _become_rank(frame.message, frame.fds, conn)
+        if frame.message.detached:  # the middle child of a detached run's supervisor
+            conn.close()
+            code = leave_and_supervise(frame.message.argv, frame.message.env, frame.fds)
+        else:
+            code = _become_rank(frame.message, frame.fds, conn)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -91,7 +96,7 @@ def _report_imports(conn: Connection) -> None:
     conn.close()
 
 
-def _die_with(parent: int) -> None:
+def die_with(parent: int) -> None:
     """SIGKILL when the helper dies (set before the check: no window in between)."""
     import ctypes
 

@@ -88,10 +88,11 @@ def end_descendants() -> None:
         signal_each(targets, signal.SIGKILL)
 
 
-def become_subreaper() -> None:
+def become_subreaper(on: bool = True) -> None:
     """Orphans of this process's descendants become its children instead of init's, so that a
-    process that left its session cannot leave the tree (Linux ``PR_SET_CHILD_SUBREAPER``)."""
+    process that left its session cannot leave the tree (Linux ``PR_SET_CHILD_SUBREAPER``);
+    ``on=False`` lets them go up again (a detached run's supervisor is meant to leave)."""
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
