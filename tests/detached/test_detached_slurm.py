@@ -172,7 +172,9 @@ print("RESULT " + json.dumps({{"status": run.status, "listed": nbddp.runs()[0].s
 def test_a_run_still_queued_is_stopped_by_cancelling_its_job(slurm, tmp_path):
     runs = tmp_path / "runs"
     env = environment(slurm, runs)
-    holder = slurm.run(["sbatch", "--parsable", "--nodes=2", "--wrap=exec sleep 300"])
+    holder = slurm.run(
+        ["sbatch", "--parsable", "--nodes=2", "--output=/dev/null", "--wrap=exec sleep 300"]
+    )
     assert holder.returncode == 0, holder.stderr
     try:
         done = subprocess.run(
