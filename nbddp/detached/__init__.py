@@ -17,7 +17,8 @@ running; if it is killed, its ranks die with it.
     replay.py      events into a Run's state
     store.py       run directories, ownership, liveness, retention
     info.py        nbddp.runs(), RunInfo, forget
-    batch.py       on Slurm: a batch job
+    batch.py       on Slurm: a batch job (queue.py: what squeue says of it)
+    launching.py   a detached launch: start the supervisor (or submit), then follow
 
 Non-goal: Ray (refused in ``plan.py``: Ray has no users, so a run cannot be kept its owner's).
 """

@@ -21,9 +21,10 @@ from typing import Any
 from nbddp.backend import Finish, Outcome, RunEvents, Writable
 from nbddp.detached import info as listing
 from nbddp.detached import store
-from nbddp.detached.batch import cancel, queue_state
+from nbddp.detached.batch import cancel
 from nbddp.detached.link import Answer, Attached, Live, StopRun
 from nbddp.detached.outcome import Ending, read_outcome
+from nbddp.detached.queue import queue_state
 from nbddp.detached.records import decode, last_event, read_events
 from nbddp.detached.replay import apply, replay, write_quietly
 from nbddp.display.terminal import CellStream

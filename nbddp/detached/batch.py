@@ -25,7 +25,7 @@ from typing import Any
 
 from nbddp import interrupts
 from nbddp.clusters.slurm import commands
-from nbddp.clusters.slurm.commands import ENDED, SlurmCommandError, job_state
+from nbddp.clusters.slurm.commands import SlurmCommandError
 from nbddp.detached import store
 from nbddp.detached.link import Handoff
 from nbddp.plan import LaunchPlan
@@ -44,21 +44,6 @@ if __name__ == "__main__":
 
     os._exit(main_batch({directory!r}))
 """
-
-
-def job_in_queue(job_id: str) -> bool:
-    """Whether the batch job still pends or runs. When Slurm cannot be asked, it is taken as
-    still there (nothing of it is removed on a guess)."""
-    return queue_state(job_id)[0] != ""
-
-
-def queue_state(job_id: str) -> tuple[str, str]:
-    """The job's state and reason; ("", "") once it left the queue (or ended)."""
-    try:
-        state, reason = job_state(job_id)
-    except SlurmCommandError as exc:
-        return "UNKNOWN", str(exc)
-    return ("", "") if not state or state in ENDED else (state, reason)
 
 
 def node_address() -> str:

@@ -123,7 +123,7 @@ class StoredRun:
             return True
         job = self.job_id
         if job is not None:
-            from nbddp.detached.batch import job_in_queue
+            from nbddp.detached.queue import job_in_queue
 
             return job_in_queue(job)
         return False

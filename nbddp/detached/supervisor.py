@@ -47,10 +47,11 @@ from nbddp.detached.link import (
 from nbddp.detached.outcome import Ending, encode_error, write_value
 from nbddp.detached.recorder import STATUS_EVERY, Recorder
 from nbddp.environment import is_launcher_variable
+from nbddp.launch import ranks_for
 from nbddp.local.forkserver import WarmStarter
 from nbddp.local.helper import Helper
 from nbddp.local.processes import ColdStarter, Starter
-from nbddp.local.workers import LocalWorkers
+from nbddp.supervised import Supervised
 from nbddp.wire import payload
 from nbddp.wire.call import Call
 from nbddp.wire.stacks import AskStacks
@@ -95,7 +96,7 @@ def main(link_fd: int, helper: tuple[socket.socket, int] | None) -> int:
     placed = list(zip(call_fds, layout.sizes, strict=True)) if layout is not None else []
     call = Call(handoff.stream, placed=placed, spans=layout.spans if layout else None)
     # the one path an attached launch takes: the same backend, with the record as its events
-    backend = LocalWorkers(handoff.plan, call, starter)
+    backend = Supervised(handoff.plan, ranks_for(handoff.plan, call, starter=starter))
     supervisor = Supervisor(run, handoff.plan, backend, _unix_address(run))
     try:
         return supervisor.serve(link)
@@ -118,7 +119,6 @@ def _log_to(path: str) -> None:
 def main_batch(directory: str) -> int:
     """A run on Slurm: this process is its batch job's script, on the job's first node."""
     from nbddp.clusters.slurm.allocation import current_allocation
-    from nbddp.clusters.workers import cluster_workers
     from nbddp.detached.batch import JOB, node_address
 
     _name_process(PROCESS_NAME)
@@ -132,7 +132,7 @@ def main_batch(directory: str) -> int:
     _take_the_kernels_place(handoff, keep=tuple(n for n in os.environ if is_launcher_variable(n)))
     plan = dataclasses.replace(handoff.plan, cluster=current_allocation())
     call = Call(handoff.stream, buffers=[memoryview(b) for b in buffers])
-    backend = cluster_workers(plan, call)
+    backend = Supervised(plan, ranks_for(plan, call))  # the allocation's node helpers
     supervisor = Supervisor(run, plan, backend, f"tcp:{node_address()}:0")
     try:
         return supervisor.serve(None)
