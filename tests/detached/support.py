@@ -72,9 +72,15 @@ def wait_gone(processes: list[psutil.Process], timeout: float = 30.0) -> list[in
 
 
 def _running(process: psutil.Process) -> bool:
+    """Running, or a zombie whose other threads still run (they hold its files)."""
     try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        if not process.is_running():
+            return False
+        return (
+            process.status() != psutil.STATUS_ZOMBIE
+            or len(os.listdir(f"/proc/{process.pid}/task")) > 1
+        )
+    except (psutil.NoSuchProcess, OSError):
         return False
 
 
