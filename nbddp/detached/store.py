@@ -149,13 +149,27 @@ class StoredRun:
             return str(status.get("status", "failed")), float(status.get("updated", 0.0))
         if self.supervised():
             return str(status.get("status", "starting")), None
-        ending = self.ending()  # the supervisor ended between the two writes, or was lost
+        # nobody supervises it and its status never said it ended: its supervisor was lost
+        # (or its status could not be written). Read the record once, and say it from now on.
+        ending = self.ending()
+        log = self.join(LOG)
+        try:
+            ended_at = os.stat(log if os.path.exists(log) else self.path).st_mtime
+        except OSError:
+            ended_at = time.time()
+        final = ending.status if ending is not None else "failed"
         with contextlib.suppress(OSError):
-            ended_at = os.stat(self.join(LOG) if os.path.exists(self.join(LOG)) else self.path)
-            if ending is not None:
-                return ending.status, ended_at.st_mtime
-            return "failed", ended_at.st_mtime
-        return "failed", time.time()
+            write_json(
+                self.join(STATUS),
+                {
+                    **status,
+                    "status": final,
+                    "ended": True,
+                    "updated": ended_at,
+                    "lost": ending is None,
+                },
+            )
+        return final, ended_at
 
     def wait_unsupervised(self, timeout: float) -> bool:
         """Wait until nothing owns the run any more (its supervisor exited); False on timeout."""
@@ -177,8 +191,8 @@ def lock_is_held(path: str) -> bool:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
+    except OSError as exc:  # held; any other error (a filesystem without locks) tells nothing
+        return exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
     finally:
         os.close(fd)
     return False

@@ -108,7 +108,8 @@ def main(link_fd: int, helper: tuple[socket.socket, int] | None) -> int:
 
 
 def _log_to(path: str) -> None:
-    """This process's stdout and stderr (and its helper's, from now on) into ``path``."""
+    """This process's stdout and stderr into ``path`` (its helper, forked earlier, keeps the
+    standby log)."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)
