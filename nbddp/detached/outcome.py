@@ -34,8 +34,20 @@ class Ending(NamedTuple):
     has_value: bool  # RESULT holds the value
 
 
+_WORKER_FIELDS = (
+    "rank",
+    "exitcode",
+    "exc_type",
+    "exc_message",
+    "remote_traceback",
+    "hint",
+    "node",
+    "summary",
+)
+
+
 class _WorkerParts(NamedTuple):
-    fields: tuple[Any, ...]  # WorkerError.__reduce__'s arguments
+    fields: tuple[Any, ...]  # the WorkerError's _WORKER_FIELDS
     remote_class: str | None  # the rank's exception class, "module.Qual.Name"
     original: bytes | None  # the rank's exception, pickled
 
@@ -52,7 +64,7 @@ def encode_error(error: BaseException) -> bytes:
         remote = None
         if cause is not None:
             remote = f"{type(cause).__module__}.{type(cause).__qualname__}"
-        fields = error.__reduce__()[1]
+        fields = tuple(getattr(error, name) for name in _WORKER_FIELDS)
         return pickle.dumps(_WorkerParts(fields, remote, original))
     try:
         return payload.dumps(error, what="the run's error to its record", root="error")
