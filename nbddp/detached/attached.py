@@ -36,6 +36,7 @@ from nbddp.wire.transport import AuthenticationFailed, Connection, connect
 
 CONNECT_WAIT = 10.0  # seconds to attach to a running supervisor
 QUEUE_POLL = 1.0  # seconds between looks at a batch job waiting in Slurm's queue
+START_POLL = 0.05  # seconds between looks at a supervisor that is starting
 
 
 class Follow:
@@ -63,46 +64,47 @@ class Follow:
         self._begin()
 
     def _begin(self) -> None:
-        """Follow the supervisor if it listens; wait for it if its batch job is queued; else
-        (ended, or nobody supervises it any more) the record says all."""
+        """Follow the supervisor if it listens; wait for it if it is still starting (or its
+        batch job is queued); else (ended, or nobody supervises it any more) the record says
+        all."""
         assert self.stored is not None
         attached = self._connect()
         if attached is not None:
             self._follow_from(*attached)
-            return
-        job = self.stored.job_id
-        if job is not None and queue_state(job)[0]:
-            threading.Thread(
-                target=self._wait_for_job, args=(job,), name="nbddp-queued", daemon=True
-            ).start()
-            return
-        seen = (event for event, _ in read_events(self.stored.join(store.LOG)))
-        self._replayed(seen, final=True)
+        elif self.stored.supervised():
+            threading.Thread(target=self._wait, name="nbddp-waiting", daemon=True).start()
+        else:
+            self._replay_all()
 
-    def _wait_for_job(self, job: str) -> None:
-        """While the batch job waits in Slurm's queue: say its state when it changes, and
-        follow the supervisor once it listens."""
+    def _wait(self) -> None:
+        """Until the supervisor listens (it is starting; on Slurm, its job may wait in the
+        queue: its state is said when it changes), or nobody supervises the run any more."""
         assert self.stored is not None
+        job = self.stored.job_id
         shown = ""
         while not self._ended.is_set():
             attached = self._connect()
             if attached is not None:
                 self._follow_from(*attached)
                 return
-            state, reason = queue_state(job)
-            if not state:  # it ran and ended meanwhile, or never ran
-                if self._connect() is None:
-                    seen = (event for event, _ in read_events(self.stored.join(store.LOG)))
-                    self._replayed(seen, final=True)
-                    return
-                continue
-            line = f"Slurm job {job} is {state}" + (
-                f" ({reason})" if reason and reason != "None" else ""
-            )
-            if line != shown and state != "RUNNING":
-                shown = line
-                write_quietly(self._out, f"{line}: the run starts when Slurm runs the job.\n")
-            self._ended.wait(QUEUE_POLL)  # Slurm's queue is polled: it has no events to wait on
+            if not self.stored.supervised():
+                self._replay_all()
+                return
+            if job is not None:
+                state, reason = queue_state(job)
+                line = f"Slurm job {job} is {state}" + (
+                    f" ({reason})" if reason and reason != "None" else ""
+                )
+                if state and state != "RUNNING" and line != shown:
+                    shown = line
+                    write_quietly(self._out, f"{line}: the run starts when Slurm runs it.\n")
+            # a queue and a starting process have no event to wait on: look again shortly
+            self._ended.wait(QUEUE_POLL if job is not None else START_POLL)
+
+    def _replay_all(self) -> None:
+        assert self.stored is not None
+        seen = (event for event, _ in read_events(self.stored.join(store.LOG)))
+        self._replayed(seen, final=True)
 
     def _connect(self) -> tuple[Connection, int] | None:
         assert self.stored is not None

@@ -191,7 +191,8 @@ class Standby:
         self._lock = threading.Lock()
         self._conn: Connection | None = None
         self._warm = False  # whether it was forked by the pre-warmed helper
-        self._preparing = False
+        self._preparing: threading.Thread | None = None
+        self._discarded = False
 
     def take(self) -> Connection | None:
         """The link to the supervisor standing by (now this launch's), if one is alive and
@@ -213,29 +214,38 @@ class Standby:
     def prepare(self) -> None:
         """Start one in the background, unless one stands by or is starting."""
         with self._lock:
-            if self._conn is not None or self._preparing:
+            if self._conn is not None or self._preparing is not None:
                 return
-            self._preparing = True
-        threading.Thread(target=self._prepare, name="nbddp-standby", daemon=True).start()
+            self._preparing = threading.Thread(
+                target=self._prepare, name="nbddp-standby", daemon=True
+            )
+            self._preparing.start()
 
     def _prepare(self) -> None:
         conn, warm = None, False
         with contextlib.suppress(NbddpError, OSError, ValueError):  # the next launch then
             conn, warm = _stand_by(os.path.join(store.runs_root(), STANDBY_LOG))  # starts one
         with self._lock:
-            self._preparing = False
-            if conn is not None and self._conn is None:
+            self._preparing = None
+            if conn is not None and self._conn is None and not self._discarded:
                 self._conn, self._warm, conn = conn, warm, None
         if conn is not None:
             conn.close()
 
     def discard(self) -> None:
-        """End the supervisor standing by (it exits when its link closes)."""
+        """End the supervisor standing by (it exits when its link closes), and one that is
+        starting; later launches start one again."""
         with self._lock:
             conn, self._conn = self._conn, None
+            preparing = self._preparing
+            self._discarded = True
+        if preparing is not None:
+            preparing.join()
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.close()
+        with self._lock:
+            self._discarded = False
 
 
 standby = Standby()
