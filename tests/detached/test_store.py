@@ -145,3 +145,19 @@ def test_runs_are_listed_newest_first_with_what_they_are(runs_dir):
     assert "second" in str(listed) and "<table>" in listed._repr_html_()
     os.close(lock1)
     os.close(lock2)
+
+
+def test_attaching_to_a_run_whose_supervisor_is_starting_waits_for_it(runs_dir):
+    """The launching kernel holds the run's lock until its supervisor takes it over: a kernel
+    that attaches then waits, and finds the run lost if the lock is let go without one."""
+    run, lock = store.create(
+        {"name": "starting", "started": time.time(), "world_size": 2, "device": "cpu"}
+    )
+    handle = nbddp.attach(run.id, display="none")
+    try:
+        assert not handle.wait(0.3) and handle.status == "running"
+    finally:
+        os.close(lock)  # the launching kernel died before the supervisor took over
+    assert handle.wait(10) and handle.status == "failed"
+    with pytest.raises(nbddp.NbddpError, match="ended without recording the run's end"):
+        handle.result()
