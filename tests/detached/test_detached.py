@@ -105,12 +105,18 @@ def test_a_detached_run_gives_its_result_history_and_output_to_every_handle(tmp_
         nbddp.attach(run.id)
 
 
-def test_a_stop_from_another_handle_ends_the_run_for_every_handle(tmp_path):
+def test_a_stop_or_a_roll_call_from_another_handle_reaches_every_rank(tmp_path):
     run = nbddp.notebook_launch(train, (str(tmp_path / "never"), 5), detach=True, **TWO_CPU_QUIET)
     everything = family(supervisor_of(run.id))
     other = nbddp.attach(run.id, display="none")
     with pytest.raises(ValueError, match="still running"):
         other.forget()
+    while len(other.history) < 5:  # the ranks wait for the file
+        other.wait(0.05)
+    for handle in (run, other):  # a roll-call through the supervisor, from either handle
+        stacks = handle.stacks(timeout=10)
+        assert stacks.missing == [], str(stacks)
+        assert "train" in str(stacks)
     assert other.stop(timeout=30)
     assert run.wait(30)
     for handle in (run, other):
