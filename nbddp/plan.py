@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from nbddp.clusters.choice import check_detachable, place_launch
 from nbddp.clusters.choice import resolve as resolve_cluster
-from nbddp.clusters.placement import Cluster, place_on_cluster
+from nbddp.clusters.placement import Cluster
 from nbddp.environment import check_user_env
 from nbddp.recovery import KEEP, STOP_GRACE, check_stopping
 from nbddp.wire.messages import Output
-from nbddp.wire.spec import JobSpec
+from nbddp.wire.spec import JobSpec, exit_timeout
 
 EXIT_TIMEOUT = JobSpec.exit_timeout  # seconds, unless NBDDP_EXIT_TIMEOUT says otherwise
 
@@ -125,14 +126,10 @@ def make_plan(
     gpu_count: int | None = None,
 ) -> LaunchPlan:
     """Validate and resolve the launch options. ``gpu_count`` overrides detection (tests)."""
-    if not isinstance(detach, bool):
-        raise ValueError(f"detach={detach!r} must be True or False.")
     if device not in DEVICE_OPTIONS:
         raise ValueError(f"device={device!r} is not one of {_choices(DEVICE_OPTIONS)}.")
     on_cluster = resolve_cluster(cluster)
-    batch: list[str] = []  # a detached run's batch job, on Slurm: sbatch's options
-    if detach:
-        _check_detachable(on_cluster)
+    check_detachable(detach, on_cluster)
     if on_cluster is None:
         if nodes != "auto" or workers_per_node != "auto":
             raise ValueError(
@@ -144,21 +141,15 @@ def make_plan(
         n_gpus = visible_gpu_count() if gpu_count is None else gpu_count
         resolved_device, workers, rank_gpus = _this_machine(num_workers, device, gpus, n_gpus)
         n_nodes, per_node = 1, workers
+        batch: list[str] = []  # sbatch's options: a detached run's batch job on Slurm
     else:
         if gpus is not None:
             raise ValueError(
                 "gpus= selects this machine's GPUs; on a cluster, workers_per_node= sets how "
                 "many GPUs of each node are used. Drop gpus=."
             )
-        if detach:  # a batch job of its own: no allocation to place on (Slurm)
-            from nbddp.clusters.slurm.allocation import SlurmCluster
-
-            assert isinstance(on_cluster, SlurmCluster)  # _check_detachable
-            shape = on_cluster.batch_shape(num_workers, device, nodes, workers_per_node)
-            resolved_device, n_nodes, per_node, batch = shape
-        else:
-            placed = place_on_cluster(on_cluster, num_workers, device, nodes, workers_per_node)
-            resolved_device, n_nodes, per_node = placed
+        placed = place_launch(on_cluster, num_workers, device, nodes, workers_per_node, detach)
+        resolved_device, n_nodes, per_node, batch = placed
         workers, rank_gpus = n_nodes * per_node, ()
 
     resolved_backend: DistBackend
@@ -205,43 +196,6 @@ def make_plan(
         detach=detach,
         batch=tuple(batch),
     )
-
-
-def _check_detachable(cluster: Any) -> None:
-    """Where a run cannot be detached, say so before anything starts."""
-    if cluster is None:
-        return
-    kind = type(cluster).__name__
-    if kind == "RayCluster":
-        raise ValueError(
-            "detach=True is not available on Ray: a detached run must be listed, attached to "
-            "and stopped by its owner only, but every driver connected to a Ray cluster can "
-            "get, call and kill any named actor (Ray has no users), so nbddp cannot keep that "
-            "promise there. Run it attached (block=False keeps the notebook free), or detach "
-            "it on this machine or on Slurm."
-        )
-    if kind != "SlurmCluster":
-        raise ValueError(f"detach=True cannot run on {cluster!r}.")
-
-
-def exit_timeout() -> float:
-    """Seconds a rank that ended normally has for its exit handlers and the processes it
-    started (``NBDDP_EXIT_TIMEOUT`` in the kernel's environment; 30 s, as torchrun gives its
-    workers between SIGTERM and SIGKILL)."""
-    text = os.environ.get("NBDDP_EXIT_TIMEOUT")
-    if text is None:
-        return EXIT_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not (seconds >= 0 and math.isfinite(seconds)):
-        raise ValueError(
-            f"NBDDP_EXIT_TIMEOUT={text!r} in the environment must be a number of seconds >= 0 "
-            f"(how long a rank's exit handlers may run; the default is {EXIT_TIMEOUT:g}): "
-            "fix it with os.environ['NBDDP_EXIT_TIMEOUT'] = '30', or del it."
-        )
-    return seconds
 
 
 def with_run_options(

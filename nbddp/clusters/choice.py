@@ -1,5 +1,6 @@
 """Which cluster a launch names: ``cluster=`` resolved to a cluster object, and the default
-:func:`set_cluster` keeps for later launches, ``%%ddp`` cells and sessions.
+:func:`set_cluster` keeps for later launches, ``%%ddp`` cells and sessions; whether a run can
+be detached there, and where its ranks go.
 
 Each engine is imported only when a launch names it (Ray only for "ray...", nothing for Slurm
 but its command-line tools).
@@ -7,9 +8,9 @@ but its command-line tools).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from nbddp.clusters.placement import Cluster
+from nbddp.clusters.placement import Cluster, place_on_cluster
 
 _default: Cluster | None = None
 
@@ -39,3 +40,41 @@ def resolve(cluster: Any) -> Cluster | None:
         f"cluster={cluster!r} is not one of 'ray', 'ray://host:port', 'slurm', a "
         "nbddp.RayCluster or nbddp.SlurmCluster, or None (this machine)."
     )
+
+
+def check_detachable(detach: Any, cluster: Any) -> None:
+    """``detach=``: where a run cannot be detached, say so before anything starts."""
+    if not isinstance(detach, bool):
+        raise ValueError(f"detach={detach!r} must be True or False.")
+    if not detach or cluster is None:
+        return
+    kind = type(cluster).__name__
+    if kind == "RayCluster":
+        raise ValueError(
+            "detach=True is not available on Ray: a detached run must be listed, attached to "
+            "and stopped by its owner only, but every driver connected to a Ray cluster can "
+            "get, call and kill any named actor (Ray has no users), so nbddp cannot keep that "
+            "promise there. Run it attached (block=False keeps the notebook free), or detach "
+            "it on this machine or on Slurm."
+        )
+    if kind != "SlurmCluster":
+        raise ValueError(f"detach=True cannot run on {cluster!r}.")
+
+
+def place_launch(
+    cluster: Cluster,
+    num_workers: int | str,
+    device: str,
+    nodes: int | str,
+    workers_per_node: int | str,
+    detach: bool,
+) -> tuple[Literal["cuda", "cpu"], int, int, list[str]]:
+    """Device, nodes, ranks per node, and a detached run's batch job's sbatch options (none
+    for an attached run, which is placed on the cluster's nodes as they are now)."""
+    if detach:  # a batch job of its own: no allocation to place on (Slurm)
+        from nbddp.clusters.slurm.allocation import SlurmCluster
+
+        assert isinstance(cluster, SlurmCluster)  # check_detachable
+        return cluster.batch_shape(num_workers, device, nodes, workers_per_node)
+    placed = place_on_cluster(cluster, num_workers, device, nodes, workers_per_node)
+    return (*placed, [])

@@ -31,8 +31,9 @@ from nbddp.display.terminal import CellStream
 from nbddp.errors import NbddpError
 from nbddp.plan import DISPLAYS, LaunchPlan
 from nbddp.run import Run, remember
+from nbddp.wire.frames import Connection
 from nbddp.wire.stacks import AskStacks
-from nbddp.wire.transport import AuthenticationFailed, Connection, connect
+from nbddp.wire.transport import AuthenticationFailed, connect
 
 CONNECT_WAIT = 10.0  # seconds to attach to a running supervisor
 QUEUE_POLL = 1.0  # seconds between looks at a batch job waiting in Slurm's queue

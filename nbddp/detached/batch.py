@@ -26,7 +26,7 @@ from typing import Any
 from nbddp import interrupts
 from nbddp.clusters.slurm import commands
 from nbddp.clusters.slurm.commands import SlurmCommandError
-from nbddp.detached import store
+from nbddp.detached import retention, store
 from nbddp.detached.link import Handoff
 from nbddp.plan import LaunchPlan
 from nbddp.wire.call import Call
@@ -100,6 +100,7 @@ def submit_run(
     info: dict[str, Any], plan: LaunchPlan, call: Call, handoff: Handoff
 ) -> store.StoredRun:
     """A new run's directory and its batch job, submitted; nothing is left if it fails."""
+    retention.sweep()
     with interrupts.deferred():
         run, lock = store.create({**info, "cluster": "slurm"})
         try:

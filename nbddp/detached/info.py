@@ -11,7 +11,7 @@ import datetime
 import html
 from dataclasses import dataclass
 
-from nbddp.detached import store
+from nbddp.detached import retention, store
 from nbddp.display.format import format_duration
 
 FORGET_WAIT = 10.0  # seconds for an ended run's supervisor to exit before its files go
@@ -111,7 +111,7 @@ def runs() -> RunList:
     """Your detached runs on this machine (and, with ``NBDDP_RUNS_DIR`` on a shared
     filesystem, your cluster's), newest first. Finished runs past the retention limit are
     removed first (see ``docs/guides/detached.md``)."""
-    store.sweep()
+    retention.sweep()
     return RunList(info_of(run) for run in store.stored_runs())
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from nbddp import interrupts
 from nbddp.backend import Finish, RunEvents
-from nbddp.detached import batch, store
+from nbddp.detached import batch, retention, store
 from nbddp.detached.attached import Follow
 from nbddp.detached.link import Handoff
 from nbddp.detached.spawn import start_supervisor
@@ -43,6 +43,7 @@ class DetachedLaunch(Follow):
             self._begin()
             return
         default_starter().warm_up()  # interruptibly, before anything exists
+        retention.sweep()
         with interrupts.deferred():  # the run starts whole, or leaves nothing
             run, lock = store.create(self._info())
             self.stored = run

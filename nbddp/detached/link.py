@@ -27,9 +27,9 @@ import socket
 import threading
 from typing import Any, NamedTuple
 
+from nbddp.wire.frames import Connection
 from nbddp.wire.messages import SharedLayout
 from nbddp.wire.stacks import StackReport
-from nbddp.wire.transport import Connection
 
 SEND_TIMEOUT = 30.0  # seconds a send to an attached kernel may block before it is dropped
 MAX_QUEUED = 64 << 20  # bytes queued for one kernel before it is dropped (it may attach again)

@@ -2,7 +2,7 @@
 its warnings, and rank 0's value in a file of its own.
 
 A rank's error is kept as its parts (the rank's report and the pickled original), not as the
-finished ``WorkerError``: a later kernel rebuilds it with ``WorkerError.raised``, so that it
+finished ``WorkerError``: a later kernel rebuilds it with ``errors.remote.rank_raised``, so that it
 is again also an instance of the rank's own exception class where that kernel has it
 (``except ValueError:`` still catches it). Other errors pickle as they are; one that will not
 is kept as its text.
@@ -17,7 +17,8 @@ import pickle
 from typing import Any, NamedTuple
 
 from nbddp.backend import EndStatus, Outcome
-from nbddp.errors import NbddpError, WorkerError, import_class
+from nbddp.errors import NbddpError, WorkerError
+from nbddp.errors.remote import import_class, rank_raised
 from nbddp.wire import payload
 
 RESULT = "result.pkl"
@@ -101,13 +102,13 @@ def _worker_error(parts: _WorkerParts) -> WorkerError:
             original = None  # its class lives in a module this kernel cannot import
     if not isinstance(original, BaseException):
         original = None
-    if exc_type is not None and not summary and not hint:
+    if exc_type is not None and not summary:
         remote = (
             None
             if original is not None or parts.remote_class is None
             else (import_class(parts.remote_class))
         )
-        return WorkerError.raised(rank, exc_type, message, trace, original, remote, node)
+        return rank_raised(rank, exc_type, message, trace, original, remote, node, hint)
     error = WorkerError(
         rank,
         exitcode=exitcode,

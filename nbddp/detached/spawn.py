@@ -35,7 +35,7 @@ from nbddp.detached.outcome import decode_error
 from nbddp.environment import without_launchers
 from nbddp.errors import NbddpError
 from nbddp.local.forkserver import enabled, warm_starter
-from nbddp.wire.transport import Connection
+from nbddp.wire.frames import Connection
 
 START_WAIT = 120.0  # seconds until the ranks started (a cold supervisor imports torch first)
 SCRIPT = ".supervisor.py"  # in the runs directory: the same for every run

@@ -14,10 +14,7 @@ One directory per run under the user's runs directory (``NBDDP_RUNS_DIR``, else
     status.json      the latest status and progress, rewritten at most once a second
     result.pkl       rank 0's value (``outcome.py``)
 
-Retention: a finished run is kept until ``forget()`` or for ``KEEP_DAYS`` days after its end,
-and the finished runs of a user together stay under ``KEEP_GB`` GB (the oldest go first);
-``NBDDP_RUNS_KEEP_DAYS`` and ``NBDDP_RUNS_KEEP_GB`` change both. A running run is never
-removed. The limits are enforced whenever a detached run starts or the runs are listed.
+How long a finished run is kept: ``retention.py``.
 
 Non-goal: other users' runs. Their directories cannot be entered, and any run not owned by
 the caller is treated as unknown.
@@ -42,16 +39,11 @@ from nbddp.detached.outcome import Ending
 from nbddp.detached.records import last_event
 
 RUNS_DIR_VARIABLE = "NBDDP_RUNS_DIR"
-KEEP_DAYS_VARIABLE = "NBDDP_RUNS_KEEP_DAYS"
-KEEP_GB_VARIABLE = "NBDDP_RUNS_KEEP_GB"
-KEEP_DAYS = 30.0
-KEEP_GB = 10.0
 
 INFO, KEY, LOCK, SUPERVISOR = "info.json", "key", "supervisor.lock", "supervisor.json"
 LOG, OUTPUT, STATUS, JOB_ID = "events.log", "output.log", "status.json", "job.json"
-_NEW = ".new-"
-_ID = re.compile(r"[0-9a-f]{8}")
-ABANDONED = 60.0  # seconds after which a directory left half-made by a killed kernel goes
+NEW = ".new-"  # a run directory being made
+ID = re.compile(r"[0-9a-f]{8}")
 
 
 def runs_root(create: bool = True) -> str:
@@ -203,10 +195,9 @@ def create(info: dict[str, Any]) -> tuple[StoredRun, int]:
     lock (the caller hands it on to the supervisor, or closes it to give the run up). Made
     under a temporary name and renamed whole: a run directory is never seen half made."""
     root = runs_root()
-    sweep(root)
     while True:
         run_id = new_id()
-        new = tempfile.mkdtemp(prefix=f"{_NEW}{run_id}-", dir=root)
+        new = tempfile.mkdtemp(prefix=f"{NEW}{run_id}-", dir=root)
         lock = -1
         try:
             lock = os.open(os.path.join(new, LOCK), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
@@ -232,7 +223,7 @@ def create(info: dict[str, Any]) -> tuple[StoredRun, int]:
 
 def find(run_id: Any) -> StoredRun:
     """The caller's run ``run_id``; ValueError when it has none by that id."""
-    if not isinstance(run_id, str) or _ID.fullmatch(run_id) is None:
+    if not isinstance(run_id, str) or ID.fullmatch(run_id) is None:
         raise ValueError(
             f"{run_id!r} is not a detached run's id (8 hex digits, as nbddp.runs() lists them)."
         )
@@ -261,77 +252,12 @@ def stored_runs() -> list[StoredRun]:
         return []
     found = []
     for name in names:
-        if _ID.fullmatch(name) is None:
+        if ID.fullmatch(name) is None:
             continue
         run = StoredRun(os.path.join(root, name))
         if run.info:
             found.append(run)
     return sorted(found, key=lambda r: float(r.info.get("started", 0.0)), reverse=True)
-
-
-def keep_limits() -> tuple[float, float]:
-    """(days after its end, GB of all finished runs together)."""
-    return (
-        _number(KEEP_DAYS_VARIABLE, KEEP_DAYS),
-        _number(KEEP_GB_VARIABLE, KEEP_GB),
-    )
-
-
-def sweep(root: str | None = None) -> list[str]:
-    """Enforce the retention limits; the ids removed."""
-    root = root or runs_root(create=False)
-    days, gigabytes = keep_limits()
-    removed = []
-    finished: list[tuple[float, int, StoredRun]] = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    now = time.time()
-    for name in names:
-        path = os.path.join(root, name)
-        if name.startswith(_NEW):
-            with contextlib.suppress(OSError):
-                if now - os.stat(path).st_mtime > ABANDONED and not lock_is_held(
-                    os.path.join(path, LOCK)
-                ):
-                    shutil.rmtree(path, ignore_errors=True)
-            continue
-        if _ID.fullmatch(name) is None:
-            continue
-        run = StoredRun(path)
-        try:
-            _, ended = run.state()
-        except OSError:
-            continue
-        if ended is None:
-            continue  # running: never removed
-        if now - ended > days * 86400:
-            run.remove()
-            removed.append(run.id)
-        else:
-            finished.append((ended, run.size(), run))
-    total = sum(size for _, size, _ in finished)
-    for _, size, run in sorted(finished, key=lambda item: item[0]):
-        if total <= gigabytes * 1e9:
-            break
-        run.remove()
-        removed.append(run.id)
-        total -= size
-    return removed
-
-
-def _number(variable: str, default: float) -> float:
-    text = os.environ.get(variable)
-    if text is None:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise ValueError(f"{variable}={text!r} must be a number >= 0 (the default is {default:g}).")
-    return value
 
 
 def _read_json(path: str) -> dict[str, Any] | None:

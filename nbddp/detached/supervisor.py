@@ -54,13 +54,9 @@ from nbddp.local.processes import ColdStarter, Starter
 from nbddp.supervised import Supervised
 from nbddp.wire import payload
 from nbddp.wire.call import Call
+from nbddp.wire.frames import Connection
 from nbddp.wire.stacks import AskStacks
-from nbddp.wire.transport import (
-    AuthenticationFailed,
-    Connection,
-    Listener,
-    PendingHandshake,
-)
+from nbddp.wire.transport import AuthenticationFailed, Listener, PendingHandshake
 
 FLUSH_WAIT = 5.0  # seconds the attached kernels get for what is queued for them at the end
 PROCESS_NAME = "nbddp-detached"  # what ps calls a supervisor (one standing by: STANDBY_NAME)

@@ -1,5 +1,6 @@
 """The job spec: what every rank needs before it can connect, written by the kernel into the
-run's private directory and read once by each rank (``worker/entry.py``).
+run's private directory and read once by each rank (``worker/entry.py``); the bound of a
+rank's exit work as the kernel's environment sets it.
 
 Non-goal: the messages on the connection (``messages.py``).
 """
@@ -7,6 +8,8 @@ Non-goal: the messages on the connection (``messages.py``).
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import asdict, dataclass
 
 SPEC = "spec.json"  # the JobSpec's file name in the run's private directory
@@ -46,3 +49,23 @@ class JobSpec:
         if fields.get("logging") is not None:
             fields["logging"] = tuple(fields["logging"])
         return cls(**fields)
+
+
+def exit_timeout() -> float:
+    """Seconds a rank that ended normally has for its exit handlers and the processes it
+    started (``NBDDP_EXIT_TIMEOUT`` in the kernel's environment; 30 s, as torchrun gives its
+    workers between SIGTERM and SIGKILL)."""
+    text = os.environ.get("NBDDP_EXIT_TIMEOUT")
+    if text is None:
+        return JobSpec.exit_timeout
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise ValueError(
+            f"NBDDP_EXIT_TIMEOUT={text!r} in the environment must be a number of seconds >= 0 "
+            f"(how long a rank's exit handlers may run; the default is {JobSpec.exit_timeout:g}): "
+            "fix it with os.environ['NBDDP_EXIT_TIMEOUT'] = '30', or del it."
+        )
+    return seconds

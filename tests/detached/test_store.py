@@ -11,7 +11,7 @@ import pytest
 from detached.support import runs_dir
 
 import nbddp
-from nbddp.detached import info, store
+from nbddp.detached import info, retention, store
 
 __all__ = ["runs_dir"]  # an autouse fixture (support.py)
 
@@ -79,33 +79,33 @@ def test_a_run_is_supervised_while_its_lock_is_held(runs_dir):
 
 
 def test_finished_runs_older_than_the_limit_go(runs_dir, monkeypatch):
-    monkeypatch.setenv(store.KEEP_DAYS_VARIABLE, "2")
+    monkeypatch.setenv(retention.KEEP_DAYS_VARIABLE, "2")
     old, fresh, running = (store.create({"name": n, "started": time.time()}) for n in "abc")
     finished(old[0], ended_ago=3 * 86400)
     finished(fresh[0], ended_ago=1 * 86400)
     os.close(old[1])
     os.close(fresh[1])
     store.write_json(running[0].join(store.STATUS), {"status": "running", "updated": 0.0})
-    removed = store.sweep()
+    removed = retention.sweep()
     assert removed == [old[0].id]
     assert {r.name for r in nbddp.runs()} == {"b", "c"}  # a running run stays, however old
     os.close(running[1])
 
 
 def test_finished_runs_beyond_the_size_limit_go_oldest_first(runs_dir, monkeypatch):
-    monkeypatch.setenv(store.KEEP_GB_VARIABLE, str(1.5e-6))  # 1500 bytes: one run
+    monkeypatch.setenv(retention.KEEP_GB_VARIABLE, str(1.5e-6))  # 1500 bytes: one run
     made = []
     for age in (30, 20, 10):
         run, lock = store.create({"name": f"ended {age} s ago", "started": time.time()})
         os.close(lock)
         finished(run, ended_ago=age, size=1000)
         made.append(run)
-    store.sweep()
+    retention.sweep()
     assert [r.id for r in nbddp.runs()] == [made[2].id]  # the two oldest went
 
 
 def test_a_bad_limit_says_how_to_fix_it(monkeypatch):
-    monkeypatch.setenv(store.KEEP_DAYS_VARIABLE, "soon")
+    monkeypatch.setenv(retention.KEEP_DAYS_VARIABLE, "soon")
     with pytest.raises(ValueError, match="NBDDP_RUNS_KEEP_DAYS='soon' must be a number >= 0"):
         nbddp.runs()
 
@@ -115,10 +115,10 @@ def test_a_half_made_directory_of_a_killed_kernel_goes(runs_dir, monkeypatch):
     left = runs_dir / ".new-0123abcd-xyz"
     left.mkdir()
     (left / store.LOCK).write_bytes(b"")
-    store.sweep()
+    retention.sweep()
     assert left.exists()  # young: perhaps still being made
-    monkeypatch.setattr(store, "ABANDONED", 0.0)
-    store.sweep()
+    monkeypatch.setattr(retention, "ABANDONED", 0.0)
+    retention.sweep()
     assert not left.exists()
 
 
