@@ -129,7 +129,7 @@ def make_plan(
     if device not in DEVICE_OPTIONS:
         raise ValueError(f"device={device!r} is not one of {_choices(DEVICE_OPTIONS)}.")
     on_cluster = resolve_cluster(cluster)
-    check_detachable(detach, on_cluster)
+    check_detachable(detach, on_cluster, debug)
     if on_cluster is None:
         if nodes != "auto" or workers_per_node != "auto":
             raise ValueError(

@@ -42,10 +42,15 @@ def resolve(cluster: Any) -> Cluster | None:
     )
 
 
-def check_detachable(detach: Any, cluster: Any) -> None:
+def check_detachable(detach: Any, cluster: Any, debug: Any = False) -> None:
     """``detach=``: where a run cannot be detached, say so before anything starts."""
     if not isinstance(detach, bool):
         raise ValueError(f"detach={detach!r} must be True or False.")
+    if detach and debug is True:
+        raise ValueError(
+            "debug=True opens pdb in the notebook's input box, but a detached run has none "
+            "(kernels come and go): drop detach=True to debug the run, or drop debug=True."
+        )
     if not detach or cluster is None:
         return
     kind = type(cluster).__name__

@@ -239,6 +239,10 @@ class Follow:
     def ask(self, message: AskStacks) -> None:
         self._send(message)
 
+    def tell(self, message: Any) -> None:
+        """Nothing reaches a detached run's ranks from a kernel but a stop and a roll-call:
+        its supervisor refuses their prompts itself (``recorder.NO_INPUT``)."""
+
     def forget(self) -> None:
         """Delete the run's kept output and result (the run must have ended)."""
         if self.stored is not None:

@@ -29,10 +29,15 @@ from nbddp.detached.records import LogWriter, encode
 from nbddp.display.format import bar_text, format_number
 from nbddp.display.state import RunSnapshot, RunState
 from nbddp.wire.messages import BarSnapshot, Block, Display
+from nbddp.wire.prompts import LeftPdb, Prompt, Reply
 from nbddp.wire.stacks import StackReport
 
 MAX_RECORD = 2 << 30  # bytes of events.log past which only the essentials are recorded
 STATUS_EVERY = 1.0  # seconds between two rewrites of status.json
+NO_INPUT = (
+    "a detached run has no input box (kernels come and go): debug it attached, "
+    "where pdb and input() on a rank reach the notebook"
+)
 _ESSENTIAL = {"started", "device", "rows", "main_rows", "finishing", "end", "note"}
 
 
@@ -66,6 +71,8 @@ class Recorder:
         self._failed_write: str | None = None
         self._status_at = 0.0
         self._shown = -1  # the mirror's version status.json shows
+        self._skipped: set[int] = set()  # ranks told their breakpoints are skipped
+        self.tell: Callable[[Reply], None] = lambda reply: None  # the backend's (supervisor)
 
     # -- RunEvents ---------------------------------------------------------------------------
 
@@ -114,6 +121,22 @@ class Recorder:
                 os.write(self._text, text.encode("utf-8", "replace"))
 
     # -- the supervisor's ---------------------------------------------------------------------
+
+    def prompt(self, rank: int, prompt: Prompt) -> None:
+        """A rank asks for a line: nobody can answer a detached run, so it is refused at once
+        (the rank skips its breakpoints, ``input()`` raises EOFError), and said once."""
+        if prompt.kind != "input" and rank not in self._skipped:
+            self._skipped.add(rank)
+            file, line = prompt.at
+            self.printed(
+                f"nbddp: {'post-mortem pdb' if prompt.kind == 'post-mortem' else 'a breakpoint'}"
+                f" on rank {rank} at {file}:{line} was skipped, as every later one of this run "
+                f"on that rank: {NO_INPUT}.\n"
+            )
+        self.tell(Reply(rank, prompt.seq, None, f"nbddp: {NO_INPUT}."))
+
+    def left_pdb(self, rank: int, left: LeftPdb | None) -> None:
+        """Nothing to do: no rank of a detached run stays in pdb (:meth:`prompt`)."""
 
     def attach(self, outlet: Outlet, first: Callable[[int], Any]) -> None:
         """Send ``first(offset)`` and then every event after ``offset`` to ``outlet``."""

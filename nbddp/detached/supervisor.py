@@ -175,6 +175,7 @@ class Supervisor:
         self.plan = plan
         self.recorder = Recorder(run, plan.world_size, plan.device, plan.backend)
         self.backend = backend
+        self.recorder.tell = backend.tell  # the refusal of a rank's prompt
         self._address = address
         self._finished = threading.Event()
         self._wake_r, self._wake_w = os.pipe()

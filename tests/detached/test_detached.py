@@ -193,6 +193,27 @@ def test_detach_is_refused_on_ray_before_anything_starts(runs_dir):
     assert not runs_dir.exists() or os.listdir(runs_dir) == []
 
 
+def asks() -> str:
+    breakpoint()
+    try:
+        return input("name? ")
+    except EOFError as exc:
+        return f"EOF: {exc}"
+
+
+def test_a_rank_that_asks_for_a_line_is_refused_and_goes_on(runs_dir):
+    """Nobody can answer a detached run: its breakpoints are skipped, input() raises, and the
+    output says so; debug=True is refused before anything starts."""
+    run = nbddp.notebook_launch(asks, detach=True, **TWO_CPU_QUIET)
+    assert run.result(timeout=60).startswith("EOF: nbddp: a detached run has no input box")
+    with open(store.find(run.id).join(store.OUTPUT)) as f:
+        said = f.read()
+    assert "a breakpoint on rank 0 at " in said and "was skipped" in said
+    with pytest.raises(ValueError, match="debug=True opens pdb"):
+        nbddp.notebook_launch(asks, detach=True, debug=True, **TWO_CPU_QUIET)
+    assert [r.id for r in nbddp.runs()] == [run.id]
+
+
 def test_one_rank_detached_runs_in_a_process_of_its_own(tmp_path):
     go = tmp_path / "go"
     go.touch()
