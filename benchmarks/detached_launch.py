@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -41,7 +42,18 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=40)
     parser.add_argument("--pause", type=float, default=0.3)
     args = parser.parse_args()
-    os.environ.setdefault("NBDDP_RUNS_DIR", tempfile.mkdtemp(prefix="nbddp-bench-runs-"))
+    runs_dir = tempfile.mkdtemp(prefix="nbddp-bench-runs-")  # removed at the end
+    os.environ["NBDDP_RUNS_DIR"] = runs_dir
+    try:
+        measure(args.launches, args.pause)
+    finally:
+        from nbddp.detached.spawn import standby
+
+        standby.discard()  # the supervisor standing by for a next launch
+        shutil.rmtree(runs_dir, ignore_errors=True)
+
+
+def measure(launches: int, pause: float) -> None:
     import nbddp
     from nbddp.local import forkserver
 
@@ -53,9 +65,9 @@ def main() -> None:
     times: dict[str, dict[str, list[float]]] = {
         name: {"return": [], "result": []} for name in ("attached", "detached")
     }
-    for _ in range(args.launches):
+    for _ in range(launches):
         for name, detach in (("attached", False), ("detached", True)):
-            time.sleep(args.pause)
+            time.sleep(pause)
             start = time.perf_counter()
             run = nbddp.notebook_launch(trivial, block=False, detach=detach, **options)
             returned = time.perf_counter()

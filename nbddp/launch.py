@@ -96,7 +96,7 @@ def notebook_launch(
         detach: True gives the ranks a supervisor of their own, outside the kernel: the run
             outlives a kernel restart or death, any later kernel can list it
             ([nbddp.runs][]) and follow it ([nbddp.attach][]); returns the [nbddp.Run][] at
-            once (on Slurm, a batch job; refused on Ray).
+            once (on Slurm, a batch job; on Ray, its supervisor is a Ray driver of its own).
 
         debug: True: an uncaught exception on a rank opens post-mortem pdb at the frame that
             raised, in the notebook's input box, the other ranks held, before the run fails as

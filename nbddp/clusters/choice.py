@@ -53,16 +53,7 @@ def check_detachable(detach: Any, cluster: Any, debug: Any = False) -> None:
         )
     if not detach or cluster is None:
         return
-    kind = type(cluster).__name__
-    if kind == "RayCluster":
-        raise ValueError(
-            "detach=True is not available on Ray: a detached run must be listed, attached to "
-            "and stopped by its owner only, but every driver connected to a Ray cluster can "
-            "get, call and kill any named actor (Ray has no users), so nbddp cannot keep that "
-            "promise there. Run it attached (block=False keeps the notebook free), or detach "
-            "it on this machine or on Slurm."
-        )
-    if kind != "SlurmCluster":
+    if type(cluster).__name__ not in ("RayCluster", "SlurmCluster"):
         raise ValueError(f"detach=True cannot run on {cluster!r}.")
 
 
@@ -74,12 +65,11 @@ def place_launch(
     workers_per_node: int | str,
     detach: bool,
 ) -> tuple[Literal["cuda", "cpu"], int, int, list[str]]:
-    """Device, nodes, ranks per node, and a detached run's batch job's sbatch options (none
-    for an attached run, which is placed on the cluster's nodes as they are now)."""
-    if detach:  # a batch job of its own: no allocation to place on (Slurm)
-        from nbddp.clusters.slurm.allocation import SlurmCluster
+    """Device, nodes, ranks per node, and a detached run's batch job's sbatch options on
+    Slurm (none elsewhere: the ranks are placed on the cluster's nodes as they are now)."""
+    from nbddp.clusters.slurm.allocation import SlurmCluster
 
-        assert isinstance(cluster, SlurmCluster)  # check_detachable
+    if detach and isinstance(cluster, SlurmCluster):  # a batch job: no allocation to place on
         return cluster.batch_shape(num_workers, device, nodes, workers_per_node)
     placed = place_on_cluster(cluster, num_workers, device, nodes, workers_per_node)
     return (*placed, [])

@@ -22,7 +22,7 @@ class RunInfo:
     """One detached run, as :func:`nbddp.runs` lists it. ``status`` is "starting" (its
     supervisor or batch job is not running its ranks yet), "running", "succeeded", "failed"
     or "stopped"; ``progress`` the latest progress bar and averaged ``nbddp.log`` row, as
-    text; ``cluster`` None on this machine, else where it runs ("slurm job 1234"); ``path``
+    text; ``cluster`` None on this machine, else where it runs ("ray", "slurm job 1234"); ``path``
     its run directory."""
 
     id: str
@@ -101,7 +101,7 @@ def info_of(run: store.StoredRun) -> RunInfo:
         world_size=int(info.get("world_size", 0)),
         device=str(info.get("device", "?")),
         progress=str(run.status().get("progress", "")),
-        cluster=f"slurm job {job}" if job is not None else None,
+        cluster=f"slurm job {job}" if job is not None else info.get("cluster"),
         path=run.path,
         ended=None if ended is None else datetime.datetime.fromtimestamp(ended).astimezone(),
     )

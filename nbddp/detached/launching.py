@@ -1,6 +1,7 @@
 """A detached launch, the kernel's side: the backend of the ``Run`` that
 ``notebook_launch(..., detach=True)`` and ``%%ddp --detach`` return. It starts the run's
-supervisor (on this machine: ``spawn.py``; on Slurm: a batch job, ``batch.py``), then
+supervisor (on this machine, also for a run on Ray: ``spawn.py``; on Slurm: a batch job,
+``batch.py``), then
 follows it as any attached kernel does (``attached.Follow``).
 
 Non-goal: following (``attached.py``).
@@ -8,6 +9,7 @@ Non-goal: following (``attached.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -15,6 +17,7 @@ from typing import Any
 
 from nbddp import interrupts
 from nbddp.backend import Finish, RunEvents
+from nbddp.clusters.ray.cluster import RayCluster
 from nbddp.detached import batch, retention, store
 from nbddp.detached.attached import Follow
 from nbddp.detached.link import Handoff
@@ -38,7 +41,7 @@ class DetachedLaunch(Follow):
     def start(self, events: RunEvents, finish: Finish) -> None:
         self._events, self._finish = events, finish
         self._out = events.output or CellStream(sys.stdout)
-        if self._plan.cluster is not None:
+        if self._plan.batch:  # Slurm
             self.stored = batch.submit_run(self._info(), self._plan, self._call, self._handoff(""))
             self._begin()
             return
@@ -71,16 +74,22 @@ class DetachedLaunch(Follow):
             "stall_after": plan.stall_after,
             "nodes": plan.nodes,
             "host": os.uname().nodename,
+            **({"cluster": "ray"} if isinstance(plan.cluster, RayCluster) else {}),
         }
 
     def _handoff(self, directory: str) -> Handoff:
+        plan, ray, cluster = self._plan, None, self._plan.cluster
+        if isinstance(cluster, RayCluster):  # the supervisor connects as its own driver
+            cluster.release_reservations()  # what this kernel keeps would hold the nodes
+            plan, ray = dataclasses.replace(plan, cluster=None), cluster.reachable()
         return Handoff(
             directory,
-            self._plan,
+            plan,
             self._call.stream,
             self._call.layout,
             payload.notebook_sources(),
             tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path),
             os.getcwd(),
             dict(os.environ),
+            ray,
         )

@@ -48,6 +48,7 @@ class Handoff(NamedTuple):
     sys_path: tuple[str, ...]
     cwd: str
     environ: dict[str, str]
+    ray: Any = None  # a run on Ray: the cluster as the supervisor reaches it (a RayAddress)
 
 
 class Launched(NamedTuple):

@@ -8,8 +8,9 @@ launch, with a :class:`~nbddp.detached.recorder.Recorder` as the run's events, a
 kernels that attach (``link.py``) until the run ends. Then it records the end (and the
 value), sends the attached kernels what is queued for them, and exits; its helper and every
 rank are gone by then. If it is killed, its helper dies with it (parent-death signal) and the
-ranks with the helper: nothing of the run is left running, and its lock is free, which tells
-any later reader that nobody supervises the run any more.
+ranks with the helper (on Ray it is a driver of its own, and the ranks' node helpers are its
+actors, which Ray ends with their owner): nothing of the run is left running, and its lock
+is free, which tells any later reader that nobody supervises the run any more.
 
 SIGTERM stops the run (as ``Run.stop()`` does).
 
@@ -91,16 +92,31 @@ def main(link_fd: int, helper: tuple[socket.socket, int] | None) -> int:
     layout = handoff.layout
     placed = list(zip(call_fds, layout.sizes, strict=True)) if layout is not None else []
     call = Call(handoff.stream, placed=placed, spans=layout.spans if layout else None)
+    plan = handoff.plan
+    if handoff.ray is not None:  # this process is a Ray driver of its own, owning the ranks
+        plan = dataclasses.replace(plan, cluster=handoff.ray.connect())
     # the one path an attached launch takes: the same backend, with the record as its events
-    backend = Supervised(handoff.plan, ranks_for(handoff.plan, call, starter=starter))
-    supervisor = Supervisor(run, handoff.plan, backend, _unix_address(run))
+    backend = Supervised(plan, ranks_for(plan, call, starter=starter))
+    supervisor = Supervisor(run, plan, backend, _unix_address(run))
     try:
         return supervisor.serve(link)
     finally:
         supervisor.close()
+        if plan.cluster is not None:
+            _leave_ray(plan.cluster)
         if isinstance(starter, WarmStarter) and starter.helper is not None:
             starter.helper.close()
         os.close(lock)
+
+
+def _leave_ray(cluster: Any) -> None:
+    """The run's reservation removed and this driver gone: Ray ends what it owns."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        cluster.release_reservations()
+    with contextlib.suppress(Exception):
+        ray.shutdown()
 
 
 def _log_to(path: str) -> None:

@@ -1,7 +1,8 @@
-"""Detached runs with real Jupyter kernels: kernel A starts two detached runs and is killed
-with SIGKILL; their ranks go on; kernel B lists them, follows one (every metric row from
-before and after the kill) and stops the other; B is restarted, and its ``%ddp_attach``
-brings the detached cell's names back; ``forget()`` removes both; nothing is left running."""
+"""Detached runs with real Jupyter kernels: kernel A starts two detached runs; kernel B
+attaches to one while A still follows it; A is killed with SIGKILL; the ranks go on; B sees
+every metric row from before and after the kill and stops the other run from its kernel; B is
+restarted, and its ``%ddp_attach`` brings the detached cell's names back; ``forget()`` removes
+both; nothing is left running."""
 
 from __future__ import annotations
 
@@ -41,39 +42,45 @@ print(second.id)
 
 def test_runs_outlive_a_killed_kernel_and_a_later_kernel_takes_them_over(tmp_path, runs_dir):
     ready, go = str(tmp_path / "ready"), str(tmp_path / "go")
-    a = Kernel()
+    a, b = Kernel(), Kernel()
     try:
-        a.run("import nbddp\n%load_ext nbddp")
-        out, reply = a.run(CELL.format(ready=ready, go=go))
-        assert reply["status"] == "ok", out
-        assert "%ddp_attach" in out
-        cell_run = out.split("Detached run ")[1].split(":")[0]
-        out, reply = a.run(FOREVER)
-        assert reply["status"] == "ok", out
-        forever_run = out.strip().splitlines()[-1]
-        wait_for_file(ready + "10")  # rows 0-9 are logged
-        supervisors = [supervisor_of(cell_run), supervisor_of(forever_run)]
-        everything = [p for s in supervisors for p in family(s)]
-        os.kill(a.pid, signal.SIGKILL)
-        a.manager.provisioner.process.wait()
-    finally:
-        if a.manager.is_alive():
-            a.shutdown()
-        else:
-            a.client.stop_channels()
-            a.manager.cleanup_resources()
-    # the ranks go on without the kernel
-    assert all(p.is_running() for p in everything)
-    assert len([p for s in supervisors for p in s.children(recursive=True)]) >= 6
-
-    b = Kernel()
-    try:
+        try:
+            a.run("import nbddp\n%load_ext nbddp")
+            out, reply = a.run(CELL.format(ready=ready, go=go))
+            assert reply["status"] == "ok", out
+            assert "%ddp_attach" in out
+            cell_run = out.split("Detached run ")[1].split(":")[0]
+            out, reply = a.run(FOREVER)
+            assert reply["status"] == "ok", out
+            forever_run = out.strip().splitlines()[-1]
+            wait_for_file(ready + "10")  # rows 0-9 are logged
+            supervisors = [supervisor_of(cell_run), supervisor_of(forever_run)]
+            everything = [p for s in supervisors for p in family(s)]
+            # a second kernel attaches while the first still follows the run: both are attached
+            out, reply = b.run(
+                "import nbddp, os, time\n"
+                "listed = {r.id: r.status for r in nbddp.runs()}\n"
+                f"print(listed[{cell_run!r}], listed[{forever_run!r}])\n"
+                f"run = nbddp.attach({cell_run!r}, display='none')\n"
+                "print('before', [r['i'] for r in run.history])\n"
+            )
+            assert reply["status"] == "ok", out
+            assert "running running" in out
+            assert f"before {[float(i) for i in range(10)]}" in out
+            out, reply = a.run("print(nbddp.last_run().status, len(nbddp.last_run().history) > 0)")
+            assert "running True" in out  # the first kernel follows still
+            os.kill(a.pid, signal.SIGKILL)
+            a.manager.provisioner.process.wait()
+        finally:
+            if a.manager.is_alive():
+                a.shutdown()
+            else:
+                a.client.stop_channels()
+                a.manager.cleanup_resources()
+        # the ranks go on without the kernel
+        assert all(p.is_running() for p in everything)
+        assert len([p for s in supervisors for p in s.children(recursive=True)]) >= 6
         out, reply = b.run(
-            "import nbddp, os, time\n"
-            "listed = {r.id: r.status for r in nbddp.runs()}\n"
-            f"print(listed[{cell_run!r}], listed[{forever_run!r}])\n"
-            f"run = nbddp.attach({cell_run!r}, display='none')\n"
-            "print('before', [r['i'] for r in run.history])\n"
             f"open({go!r} + '10', 'w').close()\n"
             f"while not os.path.exists({ready!r} + '20'): time.sleep(0.01)\n"
             "while len(run.history) < 20: time.sleep(0.01)\n"
@@ -83,8 +90,6 @@ def test_runs_outlive_a_killed_kernel_and_a_later_kernel_takes_them_over(tmp_pat
             messages=None,
         )
         assert reply["status"] == "ok", out
-        assert "running running" in out
-        assert f"before {[float(i) for i in range(10)]}" in out
         assert f"after {[float(i) for i in range(20)]}" in out
         assert "stopped True stopped" in out
 

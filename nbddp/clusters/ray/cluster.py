@@ -9,14 +9,16 @@ only when a cluster is named: ``pip install "nbddp[ray]"``.
 
 Each node gets one helper actor per kernel (``node.py``): pinned to the node, needing no CPU of
 its own, owned by this kernel's driver (never detached: it dies with the kernel), and kept for
-later launches, so only the first launch pays for its start.
+later launches, so only the first launch pays for its start. A detached run's supervisor
+connects as a driver of its own (:class:`RayAddress`) and owns its run's helpers: they outlive
+the kernel, and end with the supervisor.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from nbddp.clusters.placement import NodeInfo
 
@@ -120,6 +122,25 @@ class RayCluster:
                 ) from None
         return ray
 
+    def reachable(self) -> RayAddress:
+        """How another process of this user reaches this cluster as a driver of its own (a
+        detached run's supervisor, which owns the ranks' helpers so that they outlive this
+        kernel's driver)."""
+        ray = self.connect()
+        if self.address is not None and self.address.startswith("ray://"):
+            return RayAddress(self.address, None, self.runtime_env)
+        try:
+            gcs = ray.get_runtime_context().gcs_address
+        except Exception:  # Ray Client connected outside nbddp: no address to give
+            gcs = None
+        if not gcs:
+            raise ValueError(
+                "detach=True on Ray needs the cluster's address for the run's supervisor: pass "
+                "cluster=nbddp.RayCluster('ray://host:10001') (or connect with "
+                "ray.init(address=...) to the head node's address)."
+            )
+        return RayAddress(gcs, ray.util.get_node_ip_address(), self.runtime_env)
+
     def alive_nodes(self) -> list[NodeInfo]:
         ray = self.connect()
         nodes = []
@@ -179,6 +200,29 @@ def _remove(placement: Any) -> None:
 
     with contextlib.suppress(RayError, ConnectionError):
         remove_placement_group(placement)
+
+
+class RayAddress(NamedTuple):
+    """A Ray cluster as another process reaches it: the GCS address (or "ray://..."), the
+    address Ray knows this machine by (None through Ray Client), what ships to the nodes."""
+
+    address: str
+    node_ip: str | None
+    runtime_env: dict[str, Any] | None
+
+    def connect(self) -> RayCluster:
+        """This process, connected to the cluster as a driver of its own: the cluster to launch
+        on. What it starts there ends when this process does (Ray's owner rule)."""
+        import ray
+
+        if not ray.is_initialized():
+            extra: dict[str, Any] = (
+                {} if self.node_ip is None else {"_node_ip_address": self.node_ip}
+            )
+            ray.init(
+                address=self.address, log_to_driver=False, logging_level=logging.ERROR, **extra
+            )
+        return RayCluster(self.address, self.runtime_env)
 
 
 def named(cluster: str) -> RayCluster:
