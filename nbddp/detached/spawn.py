@@ -54,7 +54,7 @@ if __name__ == "__main__":
         os.setsid()
     helper = None
     if os.environ.get("NBDDP_PREWARM", "1") != "0":  # a helper of its own, before any thread
-        from nbddp.worker.forkserver import fork_server
+        from nbddp.worker.own_helper import fork_server
 
         helper = fork_server(keep=(link,))
     from nbddp.detached.supervisor import main

@@ -80,7 +80,7 @@ class Helper:
     """The helper process: started from a fresh interpreter, never a fork of the kernel.
     ``exclude``: modules it must not import (``NBDDP_PRELOAD_EXCLUDE``, the user's added).
     ``forked``: the socket and pid of a helper this process forked itself (a detached run's
-    supervisor does: ``worker.forkserver.fork_server``), instead of starting one."""
+    supervisor does: ``worker.own_helper.fork_server``), instead of starting one."""
 
     def __init__(
         self, exclude: Iterable[str] = (), forked: tuple[socket.socket, int] | None = None

@@ -122,7 +122,7 @@ def _die_with(parent: int) -> Callable[[], None]:
 
 
 class ForkedProcess:
-    """A helper forked by this process (``worker.forkserver.fork_server``), handled like the
+    """A helper forked by this process (``worker.own_helper.fork_server``), handled like the
     ``Popen`` of a started one."""
 
     def __init__(self, pid: int) -> None:

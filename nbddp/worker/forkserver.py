@@ -12,11 +12,8 @@ signal.
 It is the reaper of its ranks' orphans (``PR_SET_CHILD_SUBREAPER``): a process a rank started
 that outlived the rank becomes the helper's child, and the helper ends it at once, whatever
 session it moved to. Its ranks die with it (``PR_SET_PDEATHSIG``), and it exits when the
-kernel's end of the socket closes.
-
-A detached run's supervisor is forked from here too (``Spawn(detached=True)``), so that it
-starts with torch imported: it leaves every process tree at once (``worker/leaving.py``), and
-forks a helper of its own for its ranks (:func:`fork_server`).
+kernel's end of the socket closes. A detached run's supervisor is forked from here too
+(``Spawn(detached=True)``, ``leaving.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +44,7 @@ from nbddp.wire.helper import (
     Unsafe,
 )
 from nbddp.worker import forked
-from nbddp.worker.leaving import reap_within
+from nbddp.worker.leaving import start_supervisor
 from nbddp.worker.preload import FIRST_STEP, Preloader, Safety, children
 from nbddp.worker.reaping import become_subreaper, exit_status, process_table, signal_each
 
@@ -65,37 +62,12 @@ def serve() -> None:
     conn = Connection(socket.socket(fileno=int(sys.argv[1])))
     for name in PRELOADED:
         importlib.import_module(name)
+    serve_on(conn)
+
+
+def serve_on(conn: Connection) -> None:
+    """Serve the helper's requests on ``conn`` until it closes (PRELOADED imported)."""
     _Helper(conn).serve()
-
-
-def fork_server(keep: tuple[int, ...] = ()) -> tuple[socket.socket, int]:
-    """A helper forked from this process (a detached run's supervisor, which has torch
-    imported), serving on the returned socket: ready at once, it dies with this process.
-    Call it before this process starts any thread; ``keep``: descriptors the helper must not
-    hold (closed in it)."""
-    for name in PRELOADED:
-        importlib.import_module(name)
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    parent = os.getpid()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        theirs.close()
-        return ours, pid
-    code = 1
-    try:
-        forked.die_with(parent)
-        for fd in (ours.fileno(), *keep):
-            os.close(fd)
-        _Helper(Connection(theirs)).serve()
-        code = 0
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        os._exit(code)
 
 
 class _Helper:
@@ -223,8 +195,8 @@ class _Helper:
         match frame.message:
             case Spawn(request=request, argv=argv, env=env, detached=detached):
                 try:
-                    if detached:
-                        pid = self._start_supervisor(argv, env, frame.fds)
+                    if detached:  # its middle child's pid, already reaped
+                        pid = start_supervisor(self._fork, argv, env, frame.fds)
                     else:
                         pid = self._start_rank(argv, env, frame.fds)
                 except OSError as exc:
@@ -269,20 +241,6 @@ class _Helper:
         pid, channel = self._fork()
         Connection(channel).send(Handoff(argv, env, drop), fds=fds)
         self.channels[pid] = Connection(channel)
-        return pid
-
-    def _start_supervisor(self, argv: list[str], env: dict[str, str], fds: list[int]) -> int:
-        """A detached run's supervisor: a child forked now forks it and exits at once, while
-        this helper is no subreaper, so the supervisor is adopted above it (by init), outside
-        every tree. The pid returned is the middle child's, already reaped."""
-        pid, channel = self._fork()
-        become_subreaper(False)
-        try:
-            Connection(channel).send(Handoff(argv, env, [], detached=True), fds=fds)
-            reap_within(pid)
-        finally:
-            become_subreaper(True)
-            channel.close()
         return pid
 
     def _fork(self) -> tuple[int, socket.socket]:

@@ -16,11 +16,37 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
+from collections.abc import Callable
+
+from nbddp.wire.frames import Connection
+from nbddp.wire.helper import Handoff
+from nbddp.worker.reaping import become_subreaper
 
 LINK_FD = 3  # the supervisor's link to the kernel that launched it
 MIDDLE_WAIT = 10.0  # seconds the middle child may take to fork and exit
+
+
+def start_supervisor(
+    fork: Callable[[], tuple[int, socket.socket]],
+    argv: list[str],
+    env: dict[str, str],
+    fds: list[int],
+) -> int:
+    """In the helper: a child forked now (``fork``: the helper's) forks the supervisor and
+    exits at once, while the helper is no subreaper, so the supervisor is adopted above it (by
+    init), outside every tree. The pid returned is the middle child's, already reaped."""
+    pid, channel = fork()
+    become_subreaper(False)
+    try:
+        Connection(channel).send(Handoff(argv, env, [], detached=True), fds=fds)
+        reap_within(pid)
+    finally:
+        become_subreaper(True)
+        channel.close()
+    return pid
 
 
 def leave_and_supervise(argv: list[str], env: dict[str, str], fds: list[int]) -> int:
