@@ -220,6 +220,13 @@ class Follow:
             with contextlib.suppress(OSError):
                 conn.send(message)
 
+    def stop_gracefully(self, why: str) -> None:
+        """Ask the supervisor for a graceful stop (a batch job still queued is cancelled)."""
+        if self._conn is not None:
+            self._send(StopRun(graceful=True, why=why))
+            return
+        self.stop()
+
     def stop(self) -> None:
         """Ask the supervisor to stop the run; a batch job still queued is cancelled."""
         if self._conn is not None:

@@ -14,7 +14,7 @@ which only the run's owner can read; the launching kernel's own link is a socket
                            or missed
                            Answer(rank, query, report): a rank's answer to this kernel's
                            roll-call
-    kernel -> supervisor   StopRun(), AskStacks(query, native)
+    kernel -> supervisor   StopRun(graceful, why), AskStacks(query, native)
 
 Non-goal: what an event means (``replay.py``).
 """
@@ -76,7 +76,8 @@ class Answer(NamedTuple):
 
 
 class StopRun(NamedTuple):
-    pass
+    graceful: bool = False  # at one step boundary (``Backend.stop_gracefully``), else now
+    why: str = ""  # what asked for a graceful stop, as the panel and the warning say
 
 
 class Outlet:

@@ -33,6 +33,7 @@ class Ending(NamedTuple):
     exit_warnings: tuple[str, ...]
     duration: float  # seconds from the launch to the end
     has_value: bool  # RESULT holds the value
+    graceful: str | None = None  # stopped gracefully: at which step and why (Outcome's)
 
 
 _WORKER_FIELDS = (
@@ -162,4 +163,5 @@ def read_outcome(directory: str, ending: Ending) -> Outcome:
         error,
         ending.warning,
         ending.exit_warnings,
+        ending.graceful,
     )

@@ -24,7 +24,7 @@ from typing import Any
 
 from nbddp.detached import store
 from nbddp.detached.link import Answer, Live, Outlet
-from nbddp.detached.outcome import Ending
+from nbddp.detached.outcome import Ending, encode_error
 from nbddp.detached.records import LogWriter, encode
 from nbddp.display.format import bar_text, format_number
 from nbddp.display.state import RunSnapshot, RunState
@@ -39,6 +39,7 @@ NO_INPUT = (
     "where pdb and input() on a rank reach the notebook"
 )
 _ESSENTIAL = {"started", "device", "rows", "main_rows", "finishing", "end", "note"}
+_ESSENTIAL |= {"checkpointed", "stopping", "restarted"}
 
 
 class _Printed:
@@ -106,6 +107,18 @@ class Recorder:
     def finishing(self, ranks: frozenset[int]) -> None:
         self._record("finishing", ranks)
         self._mirror.finishing(ranks)
+
+    def checkpointed(self, step: int, path: str, seconds: float, restored: bool = False) -> None:
+        self._record("checkpointed", step, path, seconds, restored)
+        self._mirror.checkpointed(step, path, seconds, restored)
+
+    def stopping(self, why: str) -> None:
+        self._record("stopping", why)
+        self._mirror.stopping(why)
+
+    def restarted(self, attempt: int, of: int, cause: BaseException) -> None:
+        self._record("restarted", attempt, of, encode_error(cause))
+        self._mirror.restarted(attempt, of, cause)
 
     def stacks(self, rank: int, query: int, report: StackReport) -> None:
         with self._lock:

@@ -15,12 +15,13 @@ from collections.abc import Iterable
 
 from nbddp.backend import RunEvents, Writable
 from nbddp.detached import store
-from nbddp.detached.outcome import Ending
+from nbddp.detached.outcome import Ending, decode_error
 from nbddp.detached.records import Event
 from nbddp.display.terminal import LineWindow
 
 REPLAY_LINES = 1000
-_CALLS = ("started", "device", "rows", "main_rows", "bars", "display", "finishing")
+_CALLS: tuple[str, ...] = ("started", "device", "rows", "main_rows", "bars", "display")
+_CALLS += ("finishing", "checkpointed", "stopping")
 
 
 def apply(event: Event, events: RunEvents, out: Writable) -> Ending | None:
@@ -33,6 +34,9 @@ def apply(event: Event, events: RunEvents, out: Writable) -> Ending | None:
         return ending if isinstance(ending, Ending) else None
     elif kind in _CALLS:
         getattr(events, kind)(*event.args)
+    elif kind == "restarted":
+        attempt, of, cause = event.args
+        events.restarted(attempt, of, decode_error(cause))
     return None
 
 

@@ -296,7 +296,9 @@ class Supervisor:
             if frame is None:
                 continue
             message = frame.message
-            if isinstance(message, StopRun):
+            if isinstance(message, StopRun) and message.graceful:
+                self.backend.stop_gracefully(message.why)  # the ranks agree on a step
+            elif isinstance(message, StopRun):
                 self.stop()
             elif isinstance(message, AskStacks):
                 ours = self.recorder.ask(outlet, message.query)
@@ -315,11 +317,9 @@ class Supervisor:
             except Exception as exc:
                 error, status = exc, "failed"
         encoded = encode_error(error) if error is not None else None
-        self._end(
-            Ending(
-                status, encoded, outcome.warning, outcome.exit_warnings, self._duration(), has_value
-            )
-        )
+        warnings = (outcome.warning, outcome.exit_warnings)
+        ending = Ending(status, encoded, *warnings, self._duration(), has_value, outcome.graceful)
+        self._end(ending)
 
     def _end(self, ending: Ending) -> None:
         self.recorder.end(ending)

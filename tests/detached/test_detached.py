@@ -23,7 +23,7 @@ from detached.support import (
 
 import nbddp
 from nbddp.detached import store
-from nbddp.errors import NbddpError, RunStopped, WorkerError
+from nbddp.errors import NbddpError, NbddpWarning, RunStopped, WorkerError
 
 __all__ = ["no_standby", "runs_dir"]  # autouse fixtures (support.py)
 
@@ -125,6 +125,35 @@ def test_a_stop_or_a_roll_call_from_another_handle_reaches_every_rank(tmp_path):
             handle.result()
     assert wait_gone(everything) == []
     assert nbddp.runs()[0].status == "stopped"
+
+
+def counts_until_stopped() -> int:
+    import time
+
+    import nbddp
+
+    for step in nbddp.progress(range(10**6), desc="steps"):
+        nbddp.log(step=float(step))
+        time.sleep(0.01)
+    return step
+
+
+def test_a_graceful_stop_from_another_handle_gives_every_handle_the_functions_value():
+    run = nbddp.notebook_launch(counts_until_stopped, detach=True, **TWO_CPU_QUIET)
+    other = nbddp.attach(run.id, display="none")
+    while len(other.history) < 5:
+        other.wait(0.05)
+    assert other.stop(timeout=60, graceful=True)
+    assert run.wait(30)
+    for handle in (run, other):
+        assert handle.status == "stopped"
+        with pytest.warns(NbddpWarning, match=r"stopped gracefully at step \d+") as caught:
+            value = handle.result()
+        assert value >= 4 and "asked by run.stop(graceful=True)" in str(caught[0].message)
+    assert nbddp.runs()[0].status == "stopped"
+    later = nbddp.attach(run.id, display="none")  # from the record alone
+    with pytest.warns(NbddpWarning, match="stopped gracefully"):
+        assert later.result() == run.result()
 
 
 def fails_on_rank_1() -> None:
