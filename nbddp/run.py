@@ -326,12 +326,10 @@ class Run:
                 outcome.error.stacks = self._rollcalls.before_timeout
             self._prompts.close()  # a question still in the input box has no one to go to
             try:
-                self._state.finish(
-                    outcome.status,
-                    outcome.error,
-                    outcome.warning or outcome.graceful,
-                    outcome.duration,
-                )
+                warning = outcome.warning or outcome.graceful
+                self._state.finish(outcome.status, outcome.error, warning)
+                if outcome.duration is not None:  # a replayed run's own length
+                    self._state.ended = self._state.started_at + outcome.duration
                 if self._display is not None:  # the final panel is drawn before anyone is told
                     self._display.close()
             finally:

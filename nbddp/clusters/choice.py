@@ -70,6 +70,8 @@ def place_launch(
     from nbddp.clusters.slurm.allocation import SlurmCluster
 
     if detach and isinstance(cluster, SlurmCluster):  # a batch job: no allocation to place on
-        return cluster.batch_shape(num_workers, device, nodes, workers_per_node)
+        from nbddp.clusters.slurm.batch_shape import batch_shape
+
+        return batch_shape(cluster, num_workers, device, nodes, workers_per_node)
     placed = place_on_cluster(cluster, num_workers, device, nodes, workers_per_node)
     return (*placed, [])

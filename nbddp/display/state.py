@@ -260,16 +260,12 @@ class RunState:
             self._bump()
 
     def finish(
-        self,
-        status: Status,
-        error: BaseException | None,
-        warning: str | None = None,
-        duration: float | None = None,
+        self, status: Status, error: BaseException | None, warning: str | None = None
     ) -> None:
         with self.changed:
             self.metrics.finish()
             self.status = status
-            self.ended = time.monotonic() if duration is None else self.started_at + duration
+            self.ended = time.monotonic()
             if error is not None:
                 self.error_line = first_line(error)
             self.warning = warning or ""

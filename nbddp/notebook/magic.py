@@ -27,6 +27,7 @@ from nbddp.launch import launch_plan
 from nbddp.notebook import cell as cells
 from nbddp.notebook import crossing
 from nbddp.notebook.cell_errors import CellFailed, CellSyntaxError, interrupted
+from nbddp.notebook.detaching import announce, check_detach, kept_cell
 from nbddp.notebook.stopping_options import (
     checkpoint_name,
     stopping_arguments,
@@ -139,11 +140,7 @@ class DDPMagics(Magics):
         args = parse_argstring(self.ddp, line)
         if args.out is not None and args.no_out:
             raise UsageError("%%ddp: use either --out NAME,NAME or --no-out, not both.")
-        if args.detach and (args.session or args.export is not None):
-            raise UsageError(
-                "%%ddp --detach starts ranks of its own outside this kernel; it cannot run "
-                f"{'on the session' if args.session else 'as an export'}. Drop one of them."
-            )
+        check_detach(args)
         if args.export is not None:
             return self._export(line, cell, args)
         if args.session:
@@ -238,12 +235,7 @@ class DDPMagics(Magics):
         source, filename, names = self._prepare_cell(line, cell)
         out_names = crossing.out_names(args, names, filename, held=frozenset())
         inputs = crossing.inputs(self._namespace, names, held=frozenset())
-        kept = None
-        if plan.detach:  # what a later kernel needs to bring the names back
-            assert self.shell is not None
-            label = f"In[{self.shell.execution_count}]"
-            kept = {"name": f"%%ddp {label}", "kind": "cell", "line": line, "cell": cell}
-            kept["filename"] = filename
+        kept = kept_cell(self.shell, line, cell, filename) if plan.detach else None
         outcome: Any = launch_plan(
             run_cell,
             (source, filename, inputs, out_names, cells.shows_last_value(source), names.deletes),
@@ -253,11 +245,7 @@ class DDPMagics(Magics):
             cell=kept,
         )
         if plan.detach:
-            print(
-                f"Detached run {outcome.id}: it goes on if this kernel stops. "
-                f"%ddp_attach {outcome.id} shows it and brings its names back."
-            )
-            return None
+            return announce(outcome)
         return crossing.bring_back(self._namespace, outcome, source, filename, session=False)
 
     def _run_in_session(self, line: str, cell: str, args: Any) -> Any:

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from nbddp.clusters.placement import NodeInfo
 from nbddp.clusters.slurm import commands
@@ -41,8 +41,6 @@ POLL_QUEUE = 1.0  # seconds between looks at a pending job's state
 # then stop gracefully (Slurm sends it up to a minute early or late; the default stop_grace
 # is 60 s). Options of the user's own ``--signal`` in extra_args win.
 SIGNAL_LEAD = 120
-# what a batch job submitted from inside an allocation asks for as that allocation did
-_INHERITED = (("partition", "SLURM_JOB_PARTITION"), ("account", "SLURM_JOB_ACCOUNT"))
 CANCEL_WAIT = 30.0  # seconds for a cancelled job to leave the queue
 
 _lock = threading.Lock()
@@ -227,69 +225,6 @@ class SlurmCluster:
                         "running (`squeue`)?"
                     ) from None
             return list(self._infos)
-
-    def batch_shape(
-        self, num_workers: int | str, device: str, nodes: int | str, workers_per_node: int | str
-    ) -> tuple[Literal["cuda", "cpu"], int, int, list[str]]:
-        """A detached run's batch job: its device, nodes, ranks per node and sbatch's options.
-        Inside an allocation, the shape is placed on it (and the job asks for the same);
-        otherwise it is read from the options alone, since no allocation exists yet."""
-        from nbddp.clusters.placement import place_on_cluster
-
-        if not self._owned:
-            resolved, count, per_node = place_on_cluster(
-                self, num_workers, device, nodes, workers_per_node
-            )
-            options = [
-                f"--{name}={os.environ[variable]}"
-                for name, variable in _INHERITED
-                if os.environ.get(variable)
-            ]
-        else:
-            resolved, count, per_node = self._shape_without_allocation(
-                num_workers, device, nodes, workers_per_node
-            )
-            options = [o for o in self._options if not o.startswith("--nodes=")]
-        options = [o for o in options if not o.startswith("--gpus-per-node=")]
-        options += [f"--nodes={count}", "--ntasks-per-node=1"]
-        if resolved == "cuda":
-            options.append(f"--gpus-per-node={per_node}")
-        elif per_node > 1:
-            options.append(f"--cpus-per-task={per_node}")
-        return resolved, count, per_node, list(dict.fromkeys(options))
-
-    def _shape_without_allocation(
-        self, num_workers: int | str, device: str, nodes: int | str, workers_per_node: int | str
-    ) -> tuple[Literal["cuda", "cpu"], int, int]:
-        for name, value in (("nodes", nodes), ("workers_per_node", workers_per_node)):
-            if value != "auto" and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(f"{name}={value!r} must be an int >= 1 or 'auto'.")
-        gpus = self.gpus_per_node or 0
-        resolved: Literal["cuda", "cpu"] = (
-            "cuda" if device == "cuda" or (device == "auto" and gpus) else "cpu"
-        )
-        if resolved == "cuda" and not gpus:
-            raise ValueError(
-                "device='cuda' for a detached run on Slurm: say how many GPUs each node has, "
-                "nbddp.SlurmCluster(gpus_per_node=N) (no allocation exists yet to ask)."
-            )
-        count = int(nodes) if nodes != "auto" else (self.nodes or 1)
-        if workers_per_node != "auto":
-            per_node = int(workers_per_node)
-        else:
-            per_node = gpus if resolved == "cuda" else 1
-        if resolved == "cuda" and per_node > gpus:
-            raise ValueError(
-                f"workers_per_node={per_node} but gpus_per_node={gpus}: one rank per GPU."
-            )
-        if num_workers != "auto" and num_workers != count * per_node:
-            raise ValueError(
-                f"num_workers={num_workers!r} but nodes={count} x workers_per_node={per_node} "
-                f"is {count * per_node}: give num_workers={count * per_node}, or leave it 'auto'."
-            )
-        return resolved, count, per_node
 
     def helpers(self, count: int) -> list[HelperLink]:
         """The helpers of the allocation's first ``count`` nodes, started on first use (one
