@@ -90,6 +90,8 @@ class ColdStarter:
     ``die_with_starter``: each rank is killed when the thread that started it ends (a detached
     run's supervisor, whose ranks must not outlive it however it dies)."""
 
+    _die_with_starter = False  # also for a subclass that does not call __init__
+
     def __init__(self, die_with_starter: bool = False) -> None:
         self._die_with_starter = die_with_starter
 

@@ -62,12 +62,18 @@ def cluster():
         simulated.shutdown()
 
 
-def node_helpers() -> list[int]:
-    """The pids of the cluster's live nbddp node helpers, whoever owns them."""
+def node_helpers(cluster) -> list[int]:
+    """The pids of this cluster's live nbddp node helpers (Ray workers: children of one of
+    its raylets; other clusters on this machine are not ours), whoever owns them."""
+    raylets = {
+        info.process.pid
+        for node in (cluster.head_node, *cluster.worker_nodes)
+        for info in node.all_processes["raylet"]
+    }
     return [
         p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if "NodeHelper" in " ".join(p.info["cmdline"] or ())
+        for p in psutil.process_iter(["cmdline", "ppid"])
+        if "NodeHelper" in " ".join(p.info["cmdline"] or ()) and p.info["ppid"] in raylets
     ]
 
 
@@ -83,7 +89,7 @@ def test_a_detached_run_on_ray_outlives_its_killed_kernel(cluster, tmp_path):
         wait_for_file(ready)  # rows 0-9 are logged
         supervisor = supervisor_of(run_id)
         assert supervisor.pid not in [p.pid for p in psutil.Process(a.pid).children(True)]
-        helpers = node_helpers()
+        helpers = node_helpers(cluster)
         assert len(helpers) == 2  # one per node, started by the supervisor's driver
         os.kill(a.pid, signal.SIGKILL)
         a.manager.provisioner.process.wait()
