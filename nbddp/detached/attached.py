@@ -257,7 +257,7 @@ class Follow:
 
 
 def attach(run_id: str, *, display: str = "auto") -> Run:
-    """A :class:`nbddp.Run` following your detached run ``run_id`` (see :func:`nbddp.runs`):
+    """A ``nbddp.Run`` following your detached run ``run_id`` (see ``nbddp.runs()``):
     its live view shows everything so far, then goes on live; ``wait()``, ``result()``,
     ``stop()``, ``stacks()`` work as for a run launched here. Several kernels may attach to
     one run at once. ValueError for an id that is not one of your runs."""

@@ -19,7 +19,7 @@ FORGET_WAIT = 10.0  # seconds for an ended run's supervisor to exit before its f
 
 @dataclass(frozen=True)
 class RunInfo:
-    """One detached run, as :func:`nbddp.runs` lists it. ``status`` is "starting" (its
+    """One detached run, as ``nbddp.runs()`` lists it. ``status`` is "starting" (its
     supervisor or batch job is not running its ranks yet), "running", "succeeded", "failed"
     or "stopped"; ``progress`` the latest progress bar and averaged ``nbddp.log`` row, as
     text; ``cluster`` None on this machine, else where it runs ("ray", "slurm job 1234"); ``path``
@@ -64,7 +64,7 @@ _HEAD = ["id", "name", "status", "started", "time", "where", "progress"]
 
 
 class RunList(list[RunInfo]):
-    """The list :func:`nbddp.runs` returns; shown as a table in a notebook."""
+    """The list ``nbddp.runs()`` returns; shown as a table in a notebook."""
 
     def _repr_html_(self) -> str:
         if not self:
