@@ -46,10 +46,10 @@ def cluster():
         initialize_head=True,
         head_node_args={"num_cpus": 1, "node_ip_address": NODE_IP, "include_dashboard": False},
     )
-    second = simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)
+    simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)
     ray.init(address=simulated.address, log_to_driver=False, _node_ip_address=NODE_IP)
     try:
-        yield simulated, second
+        yield simulated
     finally:
         from nbddp.clusters.ray import cluster as ray_cluster
 
@@ -253,18 +253,24 @@ def test_the_default_cluster_is_used_by_later_launches(cluster):
     assert nbddp.notebook_launch(os.getpid, num_workers=1) == os.getpid()  # this machine again
 
 
+def lose_the_worker_node(simulated) -> None:
+    """Kill the one node besides the head, whichever it is now: a test that lost one before
+    added a fresh node in its place, so the node the cluster started with may be gone."""
+    [worker] = simulated.worker_nodes
+    simulated.remove_node(worker)
+
+
 def test_a_lost_node_ends_the_run_and_is_named(cluster, helpers, tmp_path):
-    simulated, second = cluster
     run = nbddp.notebook_launch(sleeps, (60, str(tmp_path)), **RAY, block=False)
     assert every_rank_runs(tmp_path)
-    simulated.remove_node(second)
+    lose_the_worker_node(cluster)
     try:
         assert run.wait(timeout=60)
         with pytest.raises(WorkerError) as info:
             run.result()
         assert info.value.node == NODE_IP and "lost with its node" in str(info.value)
     finally:
-        simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)  # two nodes again
+        cluster.add_node(num_cpus=1, node_ip_address=NODE_IP)  # two nodes again
 
 
 def sleeps_the_first_time(folder: str) -> int:
@@ -275,14 +281,13 @@ def sleeps_the_first_time(folder: str) -> int:
 
 
 def test_max_restarts_restarts_the_world_after_a_lost_node(cluster, helpers, tmp_path):
-    simulated, second = cluster
     run = nbddp.notebook_launch(
         sleeps_the_first_time, (str(tmp_path),), **RAY, block=False, max_restarts=1
     )
     try:
         assert every_rank_runs(tmp_path)
-        simulated.remove_node(second)
-        simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)  # room for the restarted world
+        lose_the_worker_node(cluster)
+        cluster.add_node(num_cpus=1, node_ip_address=NODE_IP)  # room for the restarted world
         assert run.wait(timeout=120)
         assert run.result() == 2 and run.status == "succeeded"
         [(_, cause)] = run.restarts
@@ -292,7 +297,7 @@ def test_max_restarts_restarts_the_world_after_a_lost_node(cluster, helpers, tmp
 
 
 def test_a_ddp_cell_runs_on_the_cluster_from_a_kernel(cluster, kernel_factory):
-    simulated, _ = cluster
+    simulated = cluster
     kernel = kernel_factory()
     try:
         out, reply = kernel.run(
@@ -328,7 +333,7 @@ def test_a_ddp_cell_runs_on_the_cluster_from_a_kernel(cluster, kernel_factory):
 def test_a_ranks_pdb_on_a_ray_node_is_answered_in_the_notebooks_input_box(cluster, kernel_factory):
     """breakpoint() on rank 1, on the second node: its prompt travels over the node's stream
     to the kernel's input box, and the lines typed there back to it."""
-    simulated, _ = cluster
+    simulated = cluster
     kernel = kernel_factory()
     try:
         out, reply = kernel.run(
@@ -420,20 +425,18 @@ def test_a_stuck_session_on_the_cluster_restarts_with_fresh_ranks(cluster):
 def test_a_node_lost_during_a_session_task_is_named(cluster, tmp_path):
     """The session's judge hears a lost node as a launch's does (``NodeLost``), so the error
     names the node; before, a session said only that the rank died."""
-    simulated, _ = cluster
-    second = next(iter(simulated.worker_nodes))  # an earlier test may have replaced it
     session = nbddp.Session(cluster="ray", device="cpu")
     try:
         run = session.run(sleeps, (60, str(tmp_path)), display="none", block=False)
         assert every_rank_runs(tmp_path)
-        simulated.remove_node(second)
+        lose_the_worker_node(cluster)
         assert run.wait(timeout=60)
         with pytest.raises(WorkerError) as info:
             run.result()
         assert info.value.node == NODE_IP and "lost with its node" in str(info.value)
     finally:
         session.close()
-        simulated.add_node(num_cpus=1, node_ip_address=NODE_IP)  # two nodes again
+        cluster.add_node(num_cpus=1, node_ip_address=NODE_IP)  # two nodes again
 
 
 def all_reduce_cut_short_on_rank_zero(token):
