@@ -18,7 +18,7 @@ from nbddp.clusters.choice import check_detachable, place_launch
 from nbddp.clusters.choice import resolve as resolve_cluster
 from nbddp.clusters.placement import Cluster
 from nbddp.environment import check_user_env
-from nbddp.recovery import KEEP, STOP_GRACE, check_stopping
+from nbddp.recovery import KEEP, STOP_GRACE, check_stop_grace, check_stopping
 from nbddp.wire.messages import Output
 from nbddp.wire.spec import JobSpec, exit_timeout
 
@@ -208,6 +208,7 @@ def with_run_options(
     block: bool,
     stall_after: float | None = STALL_AFTER,
     debug: bool = False,
+    stop_grace: float = STOP_GRACE,
 ) -> LaunchPlan:
     """``plan`` (where the ranks run) with one run's own options, checked (a session's)."""
     _check_run_options(timeout, display, output, return_all, block, debug)
@@ -221,6 +222,7 @@ def with_run_options(
         block=block,
         stall_after=stall,
         debug=debug,
+        stop_grace=check_stop_grace(stop_grace),
     )
 
 

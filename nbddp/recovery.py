@@ -31,6 +31,16 @@ def check_stopping(
     for name, value, least in (("keep", keep, 1), ("max_restarts", max_restarts, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name}={value!r} must be a whole number >= {least}.")
+    return {
+        "checkpoint_dir": directory,
+        "keep": keep,
+        "max_restarts": max_restarts,
+        "stop_grace": check_stop_grace(stop_grace),
+    }
+
+
+def check_stop_grace(stop_grace: Any) -> float:
+    """``stop_grace=`` checked (a launch's, or a session task's)."""
     if (
         isinstance(stop_grace, bool)
         or not isinstance(stop_grace, (int, float))
@@ -40,12 +50,7 @@ def check_stopping(
             f"stop_grace={stop_grace!r} must be a number of seconds >= 0 (how long a graceful "
             "stop may take before the ranks are ended; 0: never graceful)."
         )
-    return {
-        "checkpoint_dir": directory,
-        "keep": keep,
-        "max_restarts": max_restarts,
-        "stop_grace": float(stop_grace),
-    }
+    return float(stop_grace)
 
 
 def default_checkpoint_dir(name: str) -> str:

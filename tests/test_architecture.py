@@ -92,6 +92,7 @@ ALLOWED = {
         "errors",
         "launch",
         "plan",
+        "recovery",  # a task's stop_grace default, as a launch's
         "rules",
         "run",
         "wire",

@@ -1,6 +1,6 @@
 """Stopping well from a real kernel: the first interrupt of a run that checks stops it
 gracefully (a %%ddp cell's names come back, with the warning), a second interrupt ends it at
-once, and the one-rank run in the kernel does the same."""
+once, and the one-rank run in the kernel and a session's cell do the same."""
 
 from __future__ import annotations
 
@@ -54,6 +54,27 @@ def test_the_first_interrupt_stops_a_ddp_cell_gracefully_and_its_names_come_back
     assert took < 20
     names, _ = kernel.run("print(steps >= 20, stopped)")
     assert names.strip() == "True True", names
+
+
+def test_the_first_interrupt_stops_a_session_cell_gracefully_and_its_ranks_stay(kernel):
+    kernel.run("%load_ext nbddp\n%ddp_session start -n 2 --device cpu")
+    try:
+        out, reply = kernel.run("%%ddp --session --max-restarts 1\npass")
+        assert reply["status"] == "error" and "--max-restarts belong to a launch" in out, out
+        cell = "%%ddp --session --out steps,stopped --display text\n" + LOOP
+        out, reply, took = interrupt_when(kernel, cell, "training")
+        assert reply["status"] == "ok", out
+        assert "stopped gracefully at step" in out and "asked by the interrupt" in out, out
+        assert took < 20
+        names, _ = kernel.run("print(steps >= 20, stopped)")
+        assert names.strip() == "True True", names
+        # the ranks kept the cell's names: the next cell reads them there
+        again, reply = kernel.run("%%ddp --session --out seen\nseen = steps")
+        assert reply["status"] == "ok", again
+        same, _ = kernel.run("print(seen == steps)")
+        assert same.strip() == "True", same
+    finally:
+        kernel.run("%ddp_session stop")
 
 
 SLOW_SAVE = """\

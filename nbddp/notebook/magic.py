@@ -30,6 +30,7 @@ from nbddp.notebook.cell_errors import CellFailed, CellSyntaxError, interrupted
 from nbddp.notebook.detaching import announce, check_detach, kept_cell
 from nbddp.notebook.stopping_options import (
     checkpoint_name,
+    refuse_launch_only,
     stopping_arguments,
     stopping_options,
 )
@@ -268,6 +269,7 @@ class DDPMagics(Magics):
                 f"%%ddp --session runs on the session's ranks, so {', '.join(given)} belongs "
                 "to %ddp_session start."
             )
+        refuse_launch_only(args)
         session = current()
         if session is None:
             raise UsageError(
@@ -290,6 +292,7 @@ class DDPMagics(Magics):
             output=args.output,
             stall_after=args.stall_after,
             debug=args.debug,
+            stop_grace=args.stop_grace,
         )
         return crossing.bring_back(self._namespace, outcome, source, filename, session=True)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
 from nbddp.recovery import KEEP, STOP_GRACE, default_checkpoint_dir
@@ -54,6 +55,22 @@ def stopping_options(args: Any, shell: Any, cell: str) -> dict[str, Any]:
         "max_restarts": args.max_restarts,
         "stop_grace": args.stop_grace,
     }
+
+
+def refuse_launch_only(args: Any) -> None:
+    """A ``--session`` cell takes ``--stop-grace``; the other options are a launch's."""
+    given = {
+        "--checkpoint-dir": args.checkpoint_dir is not None,
+        "--keep": args.keep != KEEP,
+        "--max-restarts": args.max_restarts != 0,
+    }
+    launch_only = [flag for flag, there in given.items() if there]
+    if launch_only:
+        raise UsageError(
+            f"%%ddp --session: {', '.join(launch_only)} belong to a launch (a session's tasks "
+            "checkpoint into ./nbddp-checkpoints/session, and a session replaces the ranks a "
+            "task lost by itself). Drop them, or run the cell without --session."
+        )
 
 
 def checkpoint_name(shell: Any, cell: str) -> str:

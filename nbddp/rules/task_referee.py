@@ -5,6 +5,11 @@ Like a launch's :class:`~nbddp.rules.referee.Referee` (both stand on
 when every rank answered, and what matters after a failure is whether every rank comes back to
 idle with its process groups in step (the session keeps its state), or some are stuck, or came
 back out of step (``rules/in_step.py``): then it must be replaced.
+
+A graceful stop (:mod:`nbddp.rules.graceful`, as a launch's) lets a task that checks
+``nbddp.stopping()`` end at one agreed step: every rank returns, the session keeps its state,
+and the task is "stopped" with rank 0's value. When it cannot be graceful, the ranks are
+interrupted at once, as by a plain stop.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from nbddp.backend import Outcome, RunEvents, Writable
 from nbddp.display.terminal import CellStream
 from nbddp.errors import LaunchTimeout
+from nbddp.recovery import STOP_GRACE
+from nbddp.rules.graceful import GracefulStop
 from nbddp.rules.in_step import out_of_step
 from nbddp.rules.judging import SETTLE, Clock, Judging, write_out
 from nbddp.wire.messages import Failed, GroupCount, Issued, Result, Unsendable
+from nbddp.wire.stopping import Checkpointed, Checks, StoppedAt, StopRequested
 
 if TYPE_CHECKING:
     from nbddp.plan import LaunchPlan
@@ -61,9 +69,12 @@ class TaskReferee(Judging):
         clock: Clock = time.monotonic,
         issued: dict[int, tuple[GroupCount, ...] | None] | None = None,
         tell: Callable[[Any], None] = lambda message: None,
+        stop_grace: float = STOP_GRACE,
     ) -> None:
         super().__init__(world_size, return_all, timeout, events, node_of, clock, tell)
         self.output: Writable = events.output or CellStream(sys.stdout)  # taken in the cell
+        self.graceful = GracefulStop(world_size, tell, events, clock, stop_grace)
+        self._at_once: str | None = None  # why a graceful stop had to interrupt instead
         self._interrupt = interrupt
         self._answered: set[int] = set()
         # each rank's last report of its collectives (kept across tasks: sent when changed)
@@ -95,7 +106,13 @@ class TaskReferee(Judging):
             node_of=node_of,
             issued=issued,
             tell=tell,
+            stop_grace=plan.stop_grace,
         )
+
+    def stop_gracefully(self, why: str) -> None:
+        """Ask for a graceful stop from any thread; the caller wakes the loop, which sends
+        it."""
+        self.graceful.request(why)
 
     def _message(self, rank: int, message: Any, buffers: list[Any]) -> None:
         match message:
@@ -104,6 +121,7 @@ class TaskReferee(Judging):
             case Result(stream=stream):
                 self.tracker.result(rank, stream, buffers, False)
                 self._answered.add(rank)
+                self.graceful.returned(rank)
             case Failed(report=report):
                 self.tracker.raised(rank, report, self._node_of(rank))
                 self._answered.add(rank)
@@ -112,12 +130,24 @@ class TaskReferee(Judging):
                 self.tracker.unsendable(rank, path, reason)
                 self._answered.add(rank)
                 self._end("failed")
+            case Checks(checks=count):
+                self.graceful.answered(rank, count)
+            case StopRequested(why=why):  # a signal to the rank (Slurm's, before the limit)
+                self.graceful.request(why)
+            case StoppedAt(step=step, where=where):
+                self.graceful.stopped_at(rank, step, where)
+            case Checkpointed(step=step, path=path, seconds=seconds, restored=restored):
+                if rank == 0:
+                    self._events.checkpointed(step, path, seconds, restored)
+                    if not restored:
+                        self.graceful.checkpointed(step, path)
 
     def _ended(self, rank: int, code: int | None, stderr_tail: str) -> None:
         if rank not in self._answered:  # a rank must never end: it died in the task
             self.tracker.ended(rank, code, stderr_tail, self._node_of(rank))
         self._answered.add(rank)
         self._died.add(rank)
+        self.graceful.gone(rank)
         self._end("failed", SETTLE)
 
     def _printed(self, text: str) -> None:
@@ -138,20 +168,21 @@ class TaskReferee(Judging):
             self._grace_until = now + grace
 
     def deadline(self) -> float | None:
-        return self._earliest(self._grace_until)
+        if self._ending is not None:
+            return self._grace_until
+        if self.graceful.why is not None and self._timed_out():  # the grace bounds it now
+            return self.graceful.deadline()
+        return self._earliest(self.graceful.deadline())
 
     def verdict(self) -> TaskVerdict | None:
         if self._held is not None and not self.in_pdb:
             grace, self._held = self._held, None
             self._end("failed", grace)
-        if self._ending is None:
-            if self.stop_requested:
-                self._end("stopped")
-            elif self._timed_out():
-                self._end("timeout")
         everyone = len(self._answered) == self.world_size
+        if self._ending is None and not everyone:
+            self._stopping()
         if self._ending is None:
-            return TaskVerdict(self.tracker.collect(), (), ()) if everyone else None
+            return TaskVerdict(self._collect(), (), ()) if everyone else None
         assert self._grace_until is not None
         if not everyone and self._clock() < self._grace_until:
             return None
@@ -161,26 +192,53 @@ class TaskReferee(Judging):
         differs = None if stuck or died else out_of_step(self._issued, self.world_size)
         return TaskVerdict(self._outcome(differs), stuck, died, differs)
 
+    def _stopping(self) -> None:
+        """A stop, a graceful stop that cannot be, or the timeout (which asks for a graceful
+        stop first) ends the task early; a graceful stop under way waits for its step."""
+        self.graceful.send(set(range(self.world_size)), self._died, self._answered)
+        at_once = self.graceful.at_once()
+        if self.stop_requested:
+            self._end("stopped")
+        elif at_once is not None:
+            self._at_once = at_once
+            self._end("timeout" if self._timed_out() else "stopped")
+        elif self._timed_out() and self.graceful.why is None:
+            assert self._timeout is not None
+            self.graceful.request(f"the timeout of {self._timeout:g} s")
+            self._stopping()
+
+    def _collect(self) -> Outcome:
+        """Every rank answered: the task's outcome ("stopped" with rank 0's value when a
+        graceful stop landed)."""
+        outcome = self.tracker.collect()
+        if outcome.status == "succeeded" and self.graceful.landed is not None:
+            return outcome._replace(status="stopped", graceful=self.graceful.sentence())
+        return outcome
+
     def _outcome(self, differs: str | None) -> Outcome:
         if self._ending == "stopped":
-            return Outcome("stopped")
+            return Outcome("stopped", warning=f"{self._at_once}." if self._at_once else None)
         if self._ending == "timeout":
             assert self._timeout is not None
-            if differs is not None:
-                ended = (
-                    "the session's ranks were interrupted, but their collectives were left out "
-                    f"of step ({differs}), so fresh ones were started: the state on the ranks "
-                    "is lost"
-                )
-            elif len(self._answered) == self.world_size:
-                ended = "the session's ranks were interrupted and kept their state"
-            else:
-                ended = (
-                    f"the session's ranks did not return within {GRACE:g} s of the interrupt, "
-                    "so fresh ones were started: the state on the ranks is lost"
-                )
+            ended = self._interrupted(differs)
+            if self._at_once is not None:  # why the timeout's graceful stop could not be
+                ended += f" (not gracefully: {self._at_once.split(': ', 1)[-1]})"
             return Outcome("failed", error=LaunchTimeout(self._timeout, ended))
         return Outcome("failed", error=self.tracker.root_cause().error)
+
+    def _interrupted(self, differs: str | None) -> str:
+        """What the timeout's interrupt left: the ranks' state kept, or fresh ranks."""
+        if differs is not None:
+            return (
+                "the session's ranks were interrupted, but their collectives were left out of "
+                f"step ({differs}), so fresh ones were started: the state on the ranks is lost"
+            )
+        if len(self._answered) == self.world_size:
+            return "the session's ranks were interrupted and kept their state"
+        return (
+            f"the session's ranks did not return within {GRACE:g} s of the interrupt, so fresh "
+            "ones were started: the state on the ranks is lost"
+        )
 
 
 def trigger(outcome: Outcome) -> str:

@@ -188,6 +188,10 @@ class SessionRanks:
         referee.stop()
         self.processes.wake()
 
+    def stop_task_gracefully(self, referee: TaskReferee, why: str) -> None:
+        referee.stop_gracefully(why)
+        self.processes.wake()
+
     def probe(self) -> dict[int, RankStatus]:
         """Each rank's status, as far as it answers within ``PROBE_WAIT`` seconds."""
         self.statuses = {}

@@ -26,6 +26,7 @@ from nbddp.errors import NbddpError, WorkerError
 from nbddp.errors.notices import warn_user
 from nbddp.launch import check_call
 from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan, with_run_options
+from nbddp.recovery import STOP_GRACE
 from nbddp.rules.task_referee import restart_cause, restart_note, trigger
 from nbddp.run import Run, remember
 from nbddp.sessions.ranks import SessionRanks
@@ -138,13 +139,16 @@ class Session:
         output: str = "rank0",
         stall_after: float | None = STALL_AFTER,
         debug: bool = False,
+        stop_grace: float = STOP_GRACE,
     ) -> Any:
         """Run ``fn(*args, **kwargs)`` on every rank, in the session's namespace.
 
         ``fn`` runs with the rank's namespace as its globals: a global it reads resolves
         there first, then is shipped from the notebook; a ``global`` it assigns stays on the
         rank for later runs and ``%%ddp --session`` cells. The options are
-        [nbddp.notebook_launch][]'s, with the same meaning.
+        [nbddp.notebook_launch][]'s, with the same meaning. A task that checks
+        [nbddp.stopping][] (or [nbddp.progress][]) stops gracefully, as a launch does: every
+        rank returns at one step, the ranks keep their state, and its value is the result.
 
         Returns:
             Rank 0's value (every rank's with ``return_all``; a running [nbddp.Run][] with
@@ -156,7 +160,9 @@ class Session:
         """
         __tracebackhide__ = True  # IPython: show the user's frames, not ours
         check_call(fn, args, kwargs)
-        plan = self._options(timeout, display, output, return_all, block, stall_after, debug)
+        plan = self._options(
+            timeout, display, output, return_all, block, stall_after, debug, stop_grace
+        )
         ranks = self._ready_ranks()
         call = dumps_call(
             without_names(fn, ranks.names),
@@ -188,6 +194,7 @@ class Session:
             True,
             options.get("stall_after", STALL_AFTER),
             options.get("debug", False),
+            options.get("stop_grace", STOP_GRACE),
         )
         ranks = self._ready_ranks()
         cell_args = (source, filename, inputs, out_names, show_last, deletes)
@@ -221,6 +228,7 @@ class Session:
         block: Any,
         stall_after: Any = STALL_AFTER,
         debug: Any = False,
+        stop_grace: Any = STOP_GRACE,
     ) -> LaunchPlan:
         return with_run_options(
             self._plan,
@@ -231,6 +239,7 @@ class Session:
             block=block,
             stall_after=stall_after,
             debug=debug,
+            stop_grace=stop_grace,
         )
 
     def _run(self, kind: str, call: Call, plan: LaunchPlan, ranks: SessionRanks) -> Any:

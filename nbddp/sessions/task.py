@@ -52,8 +52,10 @@ class SessionTask:
             self._ranks.stop_task(self._referee)
 
     def stop_gracefully(self, why: str) -> None:
-        """A session task has no graceful stop: its ranks are interrupted, as by ``stop``."""
-        self.stop()
+        """Every rank returns at one agreed step, and the session keeps its state; a task
+        that does not check is interrupted at once, as by ``stop``."""
+        if self._referee is not None:
+            self._ranks.stop_task_gracefully(self._referee, why)
 
     def ask(self, message: Any) -> None:
         self._ranks.processes.send_all(message)

@@ -9,6 +9,12 @@ collective waiting for a peer) sees it only when the call returns; the kernel re
 that do not come back, and ranks that came back with their collectives out of step (each
 reports how many it issued per process group, ``worker/collectives.py``).
 
+A graceful stop works as in a launch (``stopping.py``): each task has an agreement of its own,
+installed while its code runs; the listener answers ``StopAsked`` with that task's count of
+checks (0 between tasks: the kernel then has the task's result already) and passes on
+``StopAt``. A ``StopAt`` can never reach the next task: the kernel sends it before that task,
+on the same channel, and the listener reads in order.
+
 When the kernel closes the session (``Close``, while no task runs), the rank leaves as a
 launched rank does after its result: its exit handlers run (``worker/exiting.py``). When the
 kernel end closes, the rank kills its own process group at once, as a launch's does.
@@ -42,6 +48,14 @@ from nbddp.wire.messages import (
 from nbddp.wire.prompts import Release, Reply
 from nbddp.wire.spec import JobSpec
 from nbddp.wire.stacks import AskStacks
+from nbddp.wire.stopping import (
+    Checkpointed,
+    Checks,
+    StopAsked,
+    StopAt,
+    StoppedAt,
+    StopRequested,
+)
 from nbddp.worker import (
     asking,
     checkpoints,
@@ -51,6 +65,7 @@ from nbddp.worker import (
     live,
     rich,
     stacks,
+    stopping,
     world,
 )
 from nbddp.worker.context import device, world_size
@@ -120,7 +135,12 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     conn.send(Joined(rank))
     integrations.install(spec.output)
     # a session's tasks checkpoint into one directory (its plan has none of a function's)
-    checkpoints.configure(spec.checkpoint_dir or os.path.abspath(SESSION_CHECKPOINTS), spec.keep)
+    checkpoints.configure(
+        spec.checkpoint_dir or os.path.abspath(SESSION_CHECKPOINTS),
+        spec.keep,
+        lambda *saved: conn.send(Checkpointed(rank, *saved)),
+    )
+    stopping.ask_on_signal(lambda: conn.send(StopRequested(rank, stopping.SIGNALLED)))
     skip_import_finalizers()
     # Ray starts its processes with SIGINT blocked (services.py), and a node's ranks inherit the
     # mask: unblocked, an Interrupt reaches the task on a cluster as it does here
@@ -161,7 +181,9 @@ def _run_task(
         fn, args, kwargs = loads_call(task.call, task.shared, frame.fds, device())
         del frame  # nothing here keeps the pickled call while fn runs
         task = task._replace(call=b"")
+        announce = lambda step, where: conn.send(StoppedAt(rank, step, where))  # noqa: E731
         try:
+            stopping.install(stopping.Agreement(announce))
             busy.start(task.task)
             world.ensure_group()  # the task before may have destroyed it (a tutorial's cleanup)
             if task.kind == "cell":
@@ -170,6 +192,7 @@ def _run_task(
                 value = call_in(namespace, fn, args, kwargs)
         finally:
             busy.task = None
+            stopping.install(None)  # before the answer: a later ask finds no task here
             rich.finish()  # figures left open go to the cell, before the outcome
             buffer.close()  # every logged row reaches the kernel before the outcome
     except SystemExit as exc:  # the session goes on: exit(0) ends the task, not the rank
@@ -244,6 +267,13 @@ def _listen(
                     stacks.answer(conn, rank, frame.message)
                 case Reply() | Release():
                     asking.received(frame.message)
+                case StopAsked():
+                    agreement = stopping.current()
+                    conn.send(Checks(rank, agreement.asked() if agreement is not None else 0))
+                case StopAt(check=check):
+                    agreement = stopping.current()
+                    if agreement is not None:
+                        agreement.agree(check)
     except (EOFError, OSError):
         pass
     kill_own_group()

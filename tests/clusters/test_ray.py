@@ -411,6 +411,34 @@ def test_a_session_keeps_its_ranks_on_every_node(cluster, capsys):
         assert {row["pid"] for row in session.status()} == first  # the very same processes
 
 
+def checks_every_step(folder: str) -> tuple[int, int]:
+    """Steps until a graceful stop, once this rank said it checks (a file in ``folder``)."""
+    done = 0
+    while not nbddp.stopping():
+        if done == 1:
+            open(os.path.join(folder, f"rank{nbddp.rank()}"), "w").close()
+        done += 1
+        time.sleep(0.01)
+    return nbddp.rank(), done
+
+
+def test_a_graceful_stop_of_a_session_task_reaches_every_node(cluster, tmp_path):
+    """The agreement travels over each node's stream: both ranks stop at one step, and the
+    same processes serve the next task."""
+    with nbddp.Session(cluster="ray", device="cpu") as session:
+        first = {row["pid"] for row in session.status()}
+        run = session.run(
+            checks_every_step, (str(tmp_path),), return_all=True, display="none", block=False
+        )
+        assert every_rank_runs(tmp_path)
+        assert run.stop(graceful=True, timeout=30) and run.status == "stopped"
+        with pytest.warns(nbddp.NbddpWarning, match="stopped gracefully"):
+            (_, zero), (_, one) = run.result()
+        assert zero == one > 1
+        assert session.run(count_on_rank, display="none") == 1
+        assert {row["pid"] for row in session.status()} == first
+
+
 def test_a_stuck_session_on_the_cluster_restarts_with_fresh_ranks(cluster):
     with nbddp.Session(cluster="ray", device="cpu") as session:
         session.run(count_on_rank, display="none")

@@ -1,7 +1,8 @@
 """A launch referee's graceful stop, on a fake clock (``rules/graceful.py``): the agreed step is
 one past the largest count, and the run ends at once when it cannot be graceful: a rank that
 never checked, had not started, did not answer, or outlived ``stop_grace``. The timeout asks
-for a graceful stop first. No process, no waiting."""
+for a graceful stop first. A session task's referee follows the same rules, but "at once"
+interrupts its ranks (they stay up, with their state). No process, no waiting."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from nbddp import LaunchTimeout
 from nbddp.rules.graceful import ANSWER
 from nbddp.rules.referee import Referee
-from nbddp.wire.messages import AllJoined, Ended, Joined, Received, Result
+from nbddp.rules.task_referee import GRACE, TaskReferee
+from nbddp.wire.messages import AllJoined, Ended, GroupCount, Issued, Joined, Received, Result
 from nbddp.wire.stopping import Checkpointed, Checks, StopAsked, StopAt, StoppedAt
 
 
@@ -158,3 +160,118 @@ def test_a_rank_that_never_checked_ends_the_run_before_the_others_answer():
     judge.event(Received(2, Checks(2, 0), []))  # ranks 0 and 1 have not answered yet
     outcome = judge.verdict()
     assert outcome.status == "stopped" and "rank 2 had not checked" in outcome.warning
+
+
+# -- a session task: the same agreement; its ranks stay up, so "at once" interrupts them ------
+
+
+def task(clock: Clock, world: int = 2, timeout: float | None = None, grace: float = 60.0):
+    """A session task's referee: what it sends to the ranks, and how often it interrupted."""
+    sent: list[Any] = []
+    interrupted: list[int] = []
+    judge = TaskReferee(
+        world,
+        False,
+        timeout,
+        Events(),  # type: ignore[arg-type]
+        lambda: interrupted.append(1),
+        clock=clock,
+        tell=sent.append,
+        stop_grace=grace,
+    )
+    return judge, sent, interrupted
+
+
+def answer(judge: TaskReferee, world: int = 2, value: Any = "value") -> None:
+    """Every rank answers, its collectives in step with the others'."""
+    for rank in range(world):
+        judge.event(Received(rank, Issued(rank, (GroupCount("0", (0, 1), 3),)), []))
+        judge.event(Received(rank, Result(rank, pickle.dumps(value), False), []))
+
+
+def test_a_session_task_stops_at_the_agreed_step_with_its_value_and_keeps_its_ranks():
+    clock = Clock()
+    judge, sent, interrupted = task(clock)
+    judge.stop_gracefully("run.stop(graceful=True)")
+    assert judge.verdict() is None and sent == [StopAsked()]
+    judge.event(Received(0, Checks(0, 12), []))
+    judge.event(Received(1, Checks(1, 11), []))
+    assert judge.verdict() is None and sent == [StopAsked(), StopAt(13)]
+    judge.event(Received(0, StoppedAt(0, 13, "nbddp.stopping()"), []))
+    answer(judge)
+    verdict = judge.verdict()
+    assert verdict is not None and not verdict.lost and interrupted == []
+    assert verdict.outcome.status == "stopped" and verdict.outcome.value == "value"
+    assert "at step 13 (nbddp.stopping())" in verdict.outcome.graceful
+
+
+def test_a_session_task_that_never_checked_is_interrupted_at_once():
+    clock = Clock()
+    judge, _sent, interrupted = task(clock)
+    judge.stop_gracefully("the Stop button")
+    judge.verdict()
+    judge.event(Received(1, Checks(1, 0), []))
+    assert judge.verdict() is None and interrupted == [1]  # the ranks get GRACE to come back
+    answer(judge)
+    verdict = judge.verdict()
+    assert verdict is not None and not verdict.lost
+    assert verdict.outcome.status == "stopped" and verdict.outcome.graceful is None
+    assert "rank 1 had not checked" in verdict.outcome.warning
+
+
+def test_a_session_task_past_its_stop_grace_is_interrupted_and_stuck_ranks_are_named():
+    clock = Clock()
+    judge, _sent, interrupted = task(clock, grace=20.0)
+    judge.stop_gracefully("the interrupt (■)")
+    judge.verdict()
+    for rank in range(2):
+        judge.event(Received(rank, Checks(rank, 4), []))
+    judge.verdict()
+    clock.now += 20.0
+    assert judge.verdict() is None and interrupted == [1]
+    clock.now += GRACE
+    verdict = judge.verdict()
+    assert verdict is not None and verdict.stuck == (0, 1) and verdict.lost
+    assert "not ended 20 s after" in verdict.outcome.warning
+
+
+def test_a_session_tasks_timeout_stops_it_gracefully_when_it_checks():
+    clock = Clock()
+    judge, sent, interrupted = task(clock, timeout=10.0)
+    clock.now += 10.0
+    assert judge.verdict() is None and sent == [StopAsked()]
+    for rank in range(2):
+        judge.event(Received(rank, Checks(rank, 2), []))
+    judge.verdict()
+    assert judge.deadline() == pytest.approx(clock.now + 60.0)  # the grace, not the timeout
+    judge.event(Received(0, StoppedAt(0, 3, "nbddp.progress"), []))
+    answer(judge)
+    verdict = judge.verdict()
+    assert verdict is not None and interrupted == []
+    assert verdict.outcome.status == "stopped" and verdict.outcome.value == "value"
+    assert "asked by the timeout of 10 s" in verdict.outcome.graceful
+
+
+def test_a_session_tasks_timeout_interrupts_a_task_that_never_checks():
+    clock = Clock()
+    judge, _sent, interrupted = task(clock, timeout=10.0)
+    clock.now += 10.0
+    judge.verdict()
+    for rank in range(2):
+        judge.event(Received(rank, Checks(rank, 0), []))
+    assert judge.verdict() is None and interrupted == [1]
+    answer(judge)
+    error = judge.verdict().outcome.error
+    assert isinstance(error, LaunchTimeout)
+    assert "interrupted and kept their state (not gracefully: rank 0 had not checked" in str(error)
+
+
+def test_a_graceful_stop_asked_as_the_task_ends_gives_its_value():
+    """Every rank answered before the loop sent the ask: the task simply ended."""
+    clock = Clock()
+    judge, sent, interrupted = task(clock)
+    answer(judge)
+    judge.stop_gracefully("the Stop button")
+    verdict = judge.verdict()
+    assert verdict is not None and verdict.outcome.status == "succeeded"
+    assert sent == [] and interrupted == []

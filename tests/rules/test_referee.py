@@ -26,6 +26,7 @@ from nbddp.wire.messages import (
     Started,
 )
 from nbddp.wire.prompts import LeftPdb, Prompt, Quit, Reply
+from nbddp.wire.stopping import Checks
 
 
 class Clock:
@@ -237,6 +238,9 @@ def test_a_task_timeout_interrupts_and_says_whether_the_state_survived(answered,
     clock = Clock()
     judge = task(clock, timeout=3.0)
     clock.now += 3.0
+    assert judge.verdict() is None  # a graceful stop is asked first
+    for rank in range(2):
+        judge.event(Received(rank, Checks(rank, 0), []))  # the task never checks
     assert judge.verdict() is None  # interrupted now; the grace begins
     assert judge.interrupts == [1]  # type: ignore[attr-defined]
     judge.event(issued(0, counts[0]))

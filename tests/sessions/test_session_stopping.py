@@ -1,0 +1,132 @@
+"""A session task stops well, as a launch does (real rank processes, 2 CPU ranks): a graceful
+stop (``run.stop(graceful=True)``, the first interrupt, ``timeout=``) lands at one step on
+every rank and returns the task's value; the ranks, their processes and their state stay for
+the next task; what the task saved is named; a task that never checks is interrupted at once,
+as before."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+from test_session import notebook
+
+import nbddp
+from nbddp import NbddpWarning, RunStopped
+
+OPTIONS = {"display": "none"}
+
+NB = notebook(
+    """
+    def steps(pace):
+        global reached  # stays on the rank: the next task reads it
+        reached = 0
+        for step in nbddp.progress(range(100_000)):
+            nbddp.log(step=float(step))
+            time.sleep(pace)
+            reached = step + 1
+        return nbddp.rank(), reached, nbddp.stopping()
+
+    def read_reached():
+        return reached
+
+    def trains_and_saves():
+        model = torch.nn.Linear(3, 1)
+        done = 0
+        while not nbddp.stopping():
+            done += 1
+            nbddp.log(step=float(done))
+            time.sleep(0.01)
+        nbddp.checkpoint({"model": model}, step=done)
+        return done
+
+    def never_checks():
+        global slept
+        slept = "before"
+        time.sleep(60)
+
+    def read_slept():
+        return slept
+    """
+)
+
+
+@pytest.fixture
+def session():
+    with nbddp.Session(num_workers=2, device="cpu") as s:
+        yield s
+
+
+def rows_logged(run: nbddp.Run, rows: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(run.history) < rows:
+        assert not run.wait(0.02) and time.monotonic() < deadline, run.status
+
+
+def value_and_warning(run: nbddp.Run) -> tuple[object, str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = run.result()
+    [message] = [str(w.message) for w in caught if issubclass(w.category, NbddpWarning)]
+    return value, message
+
+
+def test_a_graceful_stop_lands_at_one_step_and_the_ranks_keep_their_state(session):
+    pids = {row["pid"] for row in session.status()}
+    run = session.run(NB["steps"], (0.005,), block=False, return_all=True, **OPTIONS)
+    rows_logged(run, 20)
+    assert run.stop(graceful=True)
+    assert run.status == "stopped"
+    value, warning = value_and_warning(run)
+    [reached] = {done for _, done, _ in value}  # one step, on every rank
+    assert reached >= 20 and all(stopped for _, _, stopped in value), value
+    assert f"at step {reached} (nbddp.progress)" in warning
+    assert "asked by run.stop(graceful=True)" in warning
+    # the same processes, and what the task left in their namespace
+    assert {row["pid"] for row in session.status()} == pids
+    assert session.run(NB["read_reached"], return_all=True, **OPTIONS) == [reached, reached]
+
+
+def test_the_first_interrupt_stops_a_task_that_checks_gracefully(session):
+    main = threading.main_thread().ident
+    assert main is not None
+    threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT)).start()
+    try:
+        with pytest.warns(NbddpWarning, match=r"stopped gracefully at step \d+.*the interrupt"):
+            rank, reached, stopped = session.run(NB["steps"], (0.005,), **OPTIONS)
+    except KeyboardInterrupt:  # not graceful: fail here, not the whole test session
+        pytest.fail("the first interrupt was not a graceful stop")
+    assert rank == 0 and reached > 0 and stopped
+    assert nbddp.last_run().status == "stopped"
+    assert session.run(NB["read_reached"], **OPTIONS) == reached
+
+
+def test_the_timeout_stops_a_task_that_checks_gracefully_and_names_its_checkpoint(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # a session's tasks save under ./nbddp-checkpoints/session
+    with nbddp.Session(num_workers=2, device="cpu") as session:
+        started = time.monotonic()
+        with pytest.warns(NbddpWarning, match="asked by the timeout of 2 s") as caught:
+            done = session.run(NB["trains_and_saves"], timeout=2, **OPTIONS)
+    assert time.monotonic() - started < 20 and done > 0
+    [warning] = [str(w.message) for w in caught]
+    saved = tmp_path / "nbddp-checkpoints" / "session"
+    assert f"Its checkpoint of step {done} is in {saved}" in warning
+    assert any(saved.iterdir())
+
+
+def test_a_task_that_never_checks_is_interrupted_at_once_and_the_session_goes_on(session):
+    run = session.run(NB["never_checks"], block=False, **OPTIONS)
+    time.sleep(0.5)  # the ranks are in time.sleep(60)
+    started = time.monotonic()
+    assert run.stop(graceful=True, timeout=20)
+    assert time.monotonic() - started < 10
+    with pytest.raises(RunStopped):
+        run.result()
+    assert session.run(NB["read_slept"], **OPTIONS) == "before"
+    assert torch.equal(session.run(torch.ones, (2,), **OPTIONS), torch.ones(2))
