@@ -22,7 +22,7 @@ from typing import Any
 
 from nbddp.backend import RunEvents
 from nbddp.recovery import stopped_gracefully
-from nbddp.wire.stopping import StopAsked, StopAt
+from nbddp.wire.stopping import Checkpointed, Checks, StopAsked, StopAt, StoppedAt, StopRequested
 
 ANSWER = 5.0  # seconds every rank's listener has to answer StopAsked
 
@@ -78,6 +78,25 @@ class GracefulStop:
         self._waiting = joined - exited
         self._broadcast(StopAsked())
         self._check_counts()
+
+    def heard(self, rank: int, message: Any) -> bool:
+        """Take a rank's message of the agreement (its count, a signal's ask, where it
+        stopped) or of a checkpoint (rank 0's goes to the panel); False for any other."""
+        match message:
+            case Checks(checks=count):
+                self.answered(rank, count)
+            case StopRequested(why=why):  # a signal to the rank (Slurm's, before the limit)
+                self.request(why)
+            case StoppedAt(step=step, where=where):
+                self.stopped_at(rank, step, where)
+            case Checkpointed(step=step, path=path, seconds=seconds, restored=restored):
+                if rank == 0:
+                    self._events.checkpointed(step, path, seconds, restored)
+                    if not restored:
+                        self.checkpointed(step, path)
+            case _:
+                return False
+        return True
 
     def answered(self, rank: int, count: int) -> None:
         if rank not in self._waiting:

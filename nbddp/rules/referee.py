@@ -38,7 +38,6 @@ from nbddp.rules.graceful import GracefulStop
 from nbddp.rules.judging import SETTLE, Clock, Judging
 from nbddp.wire.messages import AllJoined, ExitReport, Failed, Joined, Result, Trained, Unsendable
 from nbddp.wire.spec import JobSpec
-from nbddp.wire.stopping import Checkpointed, Checks, StoppedAt, StopRequested
 
 if TYPE_CHECKING:
     from nbddp.plan import LaunchPlan
@@ -103,6 +102,8 @@ class Referee(Judging):
         self.graceful.request(why)
 
     def _message(self, rank: int, message: Any, buffers: list[Any]) -> None:
+        if self.graceful.heard(rank, message):
+            return
         match message:
             case Joined():
                 self._joined.add(rank)
@@ -125,17 +126,6 @@ class Referee(Judging):
                 self.tracker.raised(rank, report, self._node_of(rank))
             case Unsendable(path=path, reason=reason):
                 self.tracker.unsendable(rank, path, reason)
-            case Checks(checks=count):
-                self.graceful.answered(rank, count)
-            case StopRequested(why=why):  # a signal to the rank (Slurm's, before the limit)
-                self.graceful.request(why)
-            case StoppedAt(step=step, where=where):
-                self.graceful.stopped_at(rank, step, where)
-            case Checkpointed(step=step, path=path, seconds=seconds, restored=restored):
-                if rank == 0:
-                    self._events.checkpointed(step, path, seconds, restored)
-                    if not restored:
-                        self.graceful.checkpointed(step, path)
 
     def _ended(self, rank: int, code: int | None, stderr_tail: str) -> None:
         if self._finishing.pop(rank, None) is not None:

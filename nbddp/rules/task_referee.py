@@ -27,7 +27,6 @@ from nbddp.rules.graceful import GracefulStop
 from nbddp.rules.in_step import out_of_step
 from nbddp.rules.judging import SETTLE, Clock, Judging, write_out
 from nbddp.wire.messages import Failed, GroupCount, Issued, Result, Unsendable
-from nbddp.wire.stopping import Checkpointed, Checks, StoppedAt, StopRequested
 
 if TYPE_CHECKING:
     from nbddp.plan import LaunchPlan
@@ -115,6 +114,8 @@ class TaskReferee(Judging):
         self.graceful.request(why)
 
     def _message(self, rank: int, message: Any, buffers: list[Any]) -> None:
+        if self.graceful.heard(rank, message):
+            return
         match message:
             case Issued(groups=groups):
                 self._issued[rank] = groups
@@ -130,17 +131,6 @@ class TaskReferee(Judging):
                 self.tracker.unsendable(rank, path, reason)
                 self._answered.add(rank)
                 self._end("failed")
-            case Checks(checks=count):
-                self.graceful.answered(rank, count)
-            case StopRequested(why=why):  # a signal to the rank (Slurm's, before the limit)
-                self.graceful.request(why)
-            case StoppedAt(step=step, where=where):
-                self.graceful.stopped_at(rank, step, where)
-            case Checkpointed(step=step, path=path, seconds=seconds, restored=restored):
-                if rank == 0:
-                    self._events.checkpointed(step, path, seconds, restored)
-                    if not restored:
-                        self.graceful.checkpointed(step, path)
 
     def _ended(self, rank: int, code: int | None, stderr_tail: str) -> None:
         if rank not in self._answered:  # a rank must never end: it died in the task

@@ -9,11 +9,11 @@ from __future__ import annotations
 import signal
 import threading
 import time
-import warnings
 
 import pytest
 import torch
 from test_session import notebook
+from test_stopping import rows_logged, stopped_value
 
 import nbddp
 from nbddp import NbddpWarning, RunStopped
@@ -61,27 +61,13 @@ def session():
         yield s
 
 
-def rows_logged(run: nbddp.Run, rows: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while len(run.history) < rows:
-        assert not run.wait(0.02) and time.monotonic() < deadline, run.status
-
-
-def value_and_warning(run: nbddp.Run) -> tuple[object, str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        value = run.result()
-    [message] = [str(w.message) for w in caught if issubclass(w.category, NbddpWarning)]
-    return value, message
-
-
 def test_a_graceful_stop_lands_at_one_step_and_the_ranks_keep_their_state(session):
     pids = {row["pid"] for row in session.status()}
     run = session.run(NB["steps"], (0.005,), block=False, return_all=True, **OPTIONS)
     rows_logged(run, 20)
     assert run.stop(graceful=True)
     assert run.status == "stopped"
-    value, warning = value_and_warning(run)
+    value, warning = stopped_value(run)
     [reached] = {done for _, done, _ in value}  # one step, on every rank
     assert reached >= 20 and all(stopped for _, _, stopped in value), value
     assert f"at step {reached} (nbddp.progress)" in warning
