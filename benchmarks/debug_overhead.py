@@ -28,8 +28,6 @@ import sys
 import time
 import warnings
 
-import torch
-
 import nbddp
 
 ROUNDS = 20
@@ -37,31 +35,13 @@ MODES = ("hooks on", "hooks off", "hooks on again")
 
 
 def _loops(kind: str, steps: int, stop_first: bool) -> dict[str, list[float]]:
-    import torch.nn.functional as F
+    from training_step import make_step
 
     from nbddp.worker import asking
 
     if stop_first:
         breakpoint()  # no input box here: pdb starts and continues, as after a person's c
-    torch.manual_seed(0)
-    if kind == "natural":
-        model = nbddp.prepare_model(
-            torch.nn.Sequential(
-                torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
-            )
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-    else:
-        a = torch.randn(320, 320)
-
-        def step() -> None:
-            (a @ a).sum()
+    step = make_step(kind, 320)  # "1k": about a thousand steps a second
 
     ours = (sys.breakpointhook, builtins.input)
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}

@@ -32,8 +32,6 @@ import statistics
 import time
 from collections.abc import Callable
 
-import torch
-
 import nbddp
 from nbddp.display import text as text_view
 from nbddp.display.state import RunSnapshot
@@ -43,35 +41,10 @@ LAUNCHES = 3  # the overhead moves between launches by more than within one
 
 
 def _loops(kind: str, steps: int) -> dict[str, list[float]]:
-    import torch.nn.functional as F
+    from training_step import make_step
 
-    torch.manual_seed(0)
-    if kind == "natural":
-        model = nbddp.prepare_model(
-            torch.nn.Sequential(
-                torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
-            )
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-
-        def step() -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            return loss.detach()
-    elif kind in ("1k", "tiny"):
-        size = 320 if kind == "1k" else 192
-        a = torch.randn(size, size)
-
-        def step() -> torch.Tensor:
-            return (a @ a).sum()
-    else:  # "extreme": next to no work per step
-        a = torch.randn(16, 16)
-
-        def step() -> torch.Tensor:
-            return (a @ a).sum()
+    sizes = {"1k": 320, "tiny": 192}  # "extreme": 16, next to no work per step
+    step = make_step(kind, sizes.get(kind, 16))
 
     rates: dict[str, list[float]] = {"plain": [], "plain again": [], "read": [], "live": []}
     order = list(rates)

@@ -43,27 +43,9 @@ MODES = ("nbddp.checkpoint", "dcp.save", "dcp.save, rank 0 writes")
 def per_step(kind: str, steps: int) -> dict[str, list[float]]:
     """Seconds per step of each mode, one entry per round (on this rank)."""
     import torch.distributed as dist
-    import torch.nn.functional as F
+    from training_step import make_step
 
-    torch.manual_seed(0)
-    if kind == "natural":
-        model = nbddp.prepare_model(
-            torch.nn.Sequential(
-                torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
-            )
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-    else:
-        a = torch.randn(16, 16)
-
-        def step() -> None:
-            (a @ a).sum()
+    step = make_step(kind)  # "extreme": a 16 x 16 product, next to no work per step
 
     flag = torch.zeros(1)
     modes = ["plain", "plain again", "stopping", "all-reduce flag"]
