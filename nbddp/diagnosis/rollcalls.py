@@ -42,23 +42,33 @@ class RollCalls:
         self.before_timeout: Stacks | None = None  # taken just before a timeout
         self.at_stop: Stacks | None = None  # taken as a stalled run is stopped
         self._stop_asked = False
+        # start and cancel come from different threads (the cell's, the run's end): a start
+        # after the cancel must start nothing, or its watch would run for ever
+        self._lock = threading.Lock()
+        self._cancelled = False
 
     def start(
         self, stall_after: float | None, timeout: float | None, progress: Callable[[], float]
     ) -> None:
-        """The stall banner, and a roll-call just before the timeout ends the ranks."""
-        if stall_after is not None:
-            self.watch = StallWatch(stall_after, progress, self.ask, self._show_stall)
-        if timeout is not None:
-            lead = min(TIMEOUT_LEAD, timeout / 2)
-            self._timer = threading.Timer(timeout - lead, self._before_timeout, (lead,))
-            self._timer.daemon = True
-            self._timer.start()
+        """The stall banner, and a roll-call just before the timeout ends the ranks (nothing
+        once the run ended: :meth:`cancel` came first)."""
+        with self._lock:
+            if self._cancelled:
+                return
+            if stall_after is not None:
+                self.watch = StallWatch(stall_after, progress, self.ask, self._show_stall)
+            if timeout is not None:
+                lead = min(TIMEOUT_LEAD, timeout / 2)
+                self._timer = threading.Timer(timeout - lead, self._before_timeout, (lead,))
+                self._timer.daemon = True
+                self._timer.start()
 
     def cancel(self) -> None:
-        for helper in (self.watch, self._timer):
-            if helper is not None:
-                helper.cancel()
+        with self._lock:
+            self._cancelled = True
+            for helper in (self.watch, self._timer):
+                if helper is not None:
+                    helper.cancel()
 
     def ask(self, timeout: float, native: bool = False) -> Stacks:
         if self._ended():
