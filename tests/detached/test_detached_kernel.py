@@ -59,7 +59,12 @@ def test_runs_outlive_a_killed_kernel_and_a_later_kernel_takes_them_over(tmp_pat
             # a second kernel attaches while the first still follows the run: both are attached
             out, reply = b.run(
                 "import nbddp, os, time\n"
-                "listed = {r.id: r.status for r in nbddp.runs()}\n"
+                "deadline = time.monotonic() + 60\n"
+                "while True:  # the second run may still be starting its ranks\n"
+                "    listed = {r.id: r.status for r in nbddp.runs()}\n"
+                f"    if listed[{forever_run!r}] != 'starting' or time.monotonic() > deadline:\n"
+                "        break\n"
+                "    time.sleep(0.05)\n"
                 f"print(listed[{cell_run!r}], listed[{forever_run!r}])\n"
                 f"run = nbddp.attach({cell_run!r}, display='none')\n"
                 "print('before', [r['i'] for r in run.history])\n"

@@ -4,6 +4,8 @@ never at the price of a fork with threads."""
 
 from __future__ import annotations
 
+import re
+
 import psutil
 import pytest
 from conftest import running
@@ -39,6 +41,18 @@ def kernel_with(kernel_factory, tmp_path):
     yield start
     for kernel in kernels:
         kernel.shutdown()
+
+
+def helper_pid(out: str) -> int:
+    """The pid a cell printed as ``helper pid N`` (a warning's lines may come after it: the
+    kernel's stderr and stdout interleave as they arrive)."""
+    [pid] = re.findall(r"^helper pid (\d+)$", out, re.MULTILINE)
+    return int(pid)
+
+
+def launches(out: str) -> list[str]:
+    """What each ``print(launch(at_start, ...))`` printed, in order."""
+    return [line for line in out.splitlines() if line.startswith("[(")]
 
 
 def run(kernel, code: str) -> str:
@@ -94,12 +108,12 @@ def test_a_module_that_starts_a_thread_at_import_gets_a_fresh_helper_without_it(
         kernel,
         "print(launch(at_start, 'nbddp_threaded_probe'))\n"  # served, by whichever helper
         "print(launch(at_start, 'nbddp_threaded_probe'))\n"
-        "print(forkserver.helper_pid())",
+        "print('helper pid', forkserver.helper_pid())",
     )
     assert "no longer preloads nbddp_threaded_probe: it started a thread (probe)" in out
-    second = int(out.split()[-1])
+    second = helper_pid(out)
     assert second != first and not running(first)  # the unsafe one is gone
-    assert out.splitlines()[-2] == f"[({second}, [False]), ({second}, [False])]"
+    assert launches(out)[-1] == f"[({second}, [False]), ({second}, [False])]"
     assert psutil.Process(second).num_threads() <= threads  # no thread of the module's
 
 
@@ -114,12 +128,12 @@ def test_a_module_whose_import_crashes_the_helper_is_left_out_of_the_next(kernel
         kernel,
         "print(launch(at_start, 'nbddp_crashing_probe'))\n"
         "print(launch(at_start, 'nbddp_crashing_probe'))\n"
-        "print(forkserver.helper_pid())",
+        "print('helper pid', forkserver.helper_pid())",
     )
     assert "no longer preloads nbddp_crashing_probe: the helper crashed importing it" in out
-    second = int(out.split()[-1])
+    second = helper_pid(out)
     assert second != first
-    assert out.splitlines()[-2] == f"[({second}, [False]), ({second}, [False])]"
+    assert launches(out)[-1] == f"[({second}, [False]), ({second}, [False])]"
 
 
 def test_lightning_imported_by_the_helper_still_knows_each_ranks_rank(kernel_with):
@@ -149,12 +163,12 @@ def test_a_module_whose_import_hangs_the_helper_is_left_out_of_the_next(kernel_w
         kernel,
         "print(launch(at_start, 'nbddp_hanging_probe'))\n"  # its ranks start cold
         "print(launch(at_start, 'nbddp_hanging_probe'))\n"
-        "print(forkserver.helper_pid())",
+        "print('helper pid', forkserver.helper_pid())",
     )
     assert "no longer preloads nbddp_hanging_probe: the helper hung importing it" in out
-    second = int(out.split()[-1])
+    second = helper_pid(out)
     assert second != first and not running(first)
-    assert out.splitlines()[-2] == f"[({second}, [False]), ({second}, [False])]"
+    assert launches(out)[-1] == f"[({second}, [False]), ({second}, [False])]"
 
 
 def test_a_module_named_in_nbddp_preload_exclude_and_matplotlib_are_left_to_the_ranks(
