@@ -63,7 +63,8 @@ count of collectives changed ``Issued``.
 Any rank, any time: ``AskStacks(query, native)``, answered by ``RankStacks(rank, query, report)``
 (where its threads are; defined in ``stacks.py``); ``Prompt`` (pdb or ``input()`` waits for a
 line typed in the notebook), answered by ``Reply``, and ``LeftPdb``/``Release``/``Quit``
-(``prompts.py``).
+(``prompts.py``); a graceful stop's ``StopAsked``, answered by ``Checks``, then ``StopAt``,
+``StoppedAt``; a signal's ``StopRequested``; and rank 0's ``Checkpointed`` (``stopping.py``).
 
 Messages are NamedTuples: pickled in a few bytes, immutable, and matched by class in the
 supervisor (``match message: case Rows(rank, first, blocks): ...``).
@@ -73,7 +74,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
+from nbddp.wire.prompts import LeftPdb, Prompt, Quit, Release, Reply
 from nbddp.wire.stacks import AskStacks, RankStacks
+from nbddp.wire.stopping import Checkpointed, Checks, StopAsked, StopAt, StoppedAt, StopRequested
 
 Output = Literal["rank0", "all", "none"]  # whose output a run shows
 
@@ -330,4 +333,15 @@ Message = (
     | Close
     | AskStacks
     | RankStacks
+    | Prompt
+    | Reply
+    | LeftPdb
+    | Release
+    | Quit
+    | StopAsked
+    | Checks
+    | StopAt
+    | StoppedAt
+    | StopRequested
+    | Checkpointed
 )

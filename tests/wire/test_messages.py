@@ -7,7 +7,7 @@ import inspect
 import pickle
 import typing
 
-from nbddp.wire import messages, prompts
+from nbddp.wire import messages, prompts, stacks, stopping
 from nbddp.wire.spec import JobSpec
 
 
@@ -32,7 +32,7 @@ def test_the_job_spec_comes_back_from_its_file_as_it_was_written():
 def message_classes() -> list[type]:
     return [
         cls
-        for module in (messages, prompts)
+        for module in (messages, prompts, stopping)
         for _, cls in inspect.getmembers(module, inspect.isclass)
         if cls.__module__ == module.__name__ and issubclass(cls, tuple) and cls is not tuple
     ]
@@ -72,3 +72,14 @@ def test_the_prompts_docstring_draws_each_of_its_messages():
     drawn = [cls.__name__ for cls in message_classes() if cls.__module__ == prompts.__name__]
     assert len(drawn) == 5
     assert all(f"    {name}(" in (prompts.__doc__ or "") for name in drawn)
+
+
+def test_every_message_of_the_rank_wire_is_in_the_union():
+    """What a rank and the kernel exchange, wherever its class is defined (``prompts.py`` and
+    ``stopping.py`` hold nothing else; the roll-call's two are in ``stacks.py``), is one
+    ``Message``."""
+    union = set(typing.get_args(messages.Message))
+    elsewhere = [cls for cls in message_classes() if cls.__module__ != messages.__name__]
+    assert len(elsewhere) == 11
+    missing = {*elsewhere, stacks.AskStacks, stacks.RankStacks} - union
+    assert not missing, sorted(cls.__name__ for cls in missing)
