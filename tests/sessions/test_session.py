@@ -70,6 +70,9 @@ NB = notebook(
         if nbddp.rank() == 1:
             store.wait(["rank 0 at its all_reduce"])
             store.delete_key("rank 0 at its all_reduce")
+            # rank 0 set the key just before all_reduce: let it get inside the native wait,
+            # or the interrupt that follows this failure reaches it in Python first
+            time.sleep(0.5)
             raise RuntimeError("rank 1 fails first")
         store.set("rank 0 at its all_reduce", "1")
         dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, forever
