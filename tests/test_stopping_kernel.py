@@ -47,8 +47,13 @@ def interrupt_when(kernel, code: str, marker: str, again_after: str | None = Non
 @pytest.mark.parametrize("workers", [2, 1])
 def test_the_first_interrupt_stops_a_ddp_cell_gracefully_and_its_names_come_back(kernel, workers):
     kernel.run("%load_ext nbddp")
-    cell = f"%%ddp -n {workers} --device cpu --display text\n" + LOOP
-    out, reply, took = interrupt_when(kernel, cell, "training")
+    stops_gracefully_and_names_come_back(kernel, f"%%ddp -n {workers} --device cpu --display text")
+
+
+def stops_gracefully_and_names_come_back(kernel, magic: str) -> None:
+    """The LOOP cell under ``magic``, interrupted once it trains: it stops gracefully, soon,
+    and its names come back."""
+    out, reply, took = interrupt_when(kernel, f"{magic}\n{LOOP}", "training")
     assert reply["status"] == "ok", out
     assert "stopped gracefully at step" in out and "asked by the interrupt" in out, out
     assert took < 20
@@ -61,13 +66,9 @@ def test_the_first_interrupt_stops_a_session_cell_gracefully_and_its_ranks_stay(
     try:
         out, reply = kernel.run("%%ddp --session --max-restarts 1\npass")
         assert reply["status"] == "error" and "--max-restarts belong to a launch" in out, out
-        cell = "%%ddp --session --out steps,stopped --display text\n" + LOOP
-        out, reply, took = interrupt_when(kernel, cell, "training")
-        assert reply["status"] == "ok", out
-        assert "stopped gracefully at step" in out and "asked by the interrupt" in out, out
-        assert took < 20
-        names, _ = kernel.run("print(steps >= 20, stopped)")
-        assert names.strip() == "True True", names
+        stops_gracefully_and_names_come_back(
+            kernel, "%%ddp --session --out steps,stopped --display text"
+        )
         # the ranks kept the cell's names: the next cell reads them there
         again, reply = kernel.run("%%ddp --session --out seen\nseen = steps")
         assert reply["status"] == "ok", again

@@ -140,19 +140,20 @@ class GracefulStop:
             self.saved = (step, path)
 
     def at_once(self) -> str | None:
-        """Why the run must now end at once instead ("" when it need not), else None."""
+        """Why the run must now end at once instead (e.g. "rank 1 had not checked ..."),
+        else None; the referee says what "at once" did."""
         if self.why is None:
             return None
         if self._refused:
-            return f"it was stopped at once: {self._refused}"
+            return self._refused
         now = self._clock()
         if self._waiting and now >= self._asked_at + ANSWER:
             ranks = ", ".join(map(str, sorted(self._waiting)))
-            return f"it was stopped at once: rank(s) {ranks} did not answer within {ANSWER:g} s"
+            return f"rank(s) {ranks} did not answer within {ANSWER:g} s"
         if now >= self._asked_at + self._grace:
             return (
-                f"it was stopped at once: its ranks had not ended {self._grace:g} s after the "
-                "graceful stop was asked (stop_grace)"
+                f"its ranks had not ended {self._grace:g} s after the graceful stop was asked "
+                "(stop_grace)"
             )
         return None
 

@@ -192,9 +192,10 @@ class Referee(Judging):
         by_timeout = self._timed_out()
         if at_once is not None and by_timeout:
             assert self._timeout is not None
-            return Outcome("failed", error=LaunchTimeout(self._timeout, _ended(at_once)))
+            ended = f"all workers were terminated: {at_once}"
+            return Outcome("failed", error=LaunchTimeout(self._timeout, ended))
         if at_once is not None:
-            return Outcome("stopped", warning=at_once + ".")
+            return Outcome("stopped", warning=f"it was stopped at once: {at_once}.")
         if by_timeout and self.graceful.why is None:  # first, a graceful stop
             self.graceful.request(f"the timeout of {self._timeout:g} s")
             self.graceful.send(self._joined, tracker.exited, self._returned)
@@ -206,8 +207,3 @@ class Referee(Judging):
         if outcome.status == "succeeded" and self.graceful.landed is not None:
             return outcome._replace(status="stopped", graceful=self.graceful.sentence())
         return outcome
-
-
-def _ended(at_once: str) -> str:
-    """LaunchTimeout's account of the ranks' end, after a graceful stop that could not be."""
-    return at_once.replace("it was stopped at once", "all workers were terminated")

@@ -207,12 +207,14 @@ class TaskReferee(Judging):
 
     def _outcome(self, differs: str | None) -> Outcome:
         if self._ending == "stopped":
-            return Outcome("stopped", warning=f"{self._at_once}." if self._at_once else None)
+            if self._at_once is None:
+                return Outcome("stopped")
+            return Outcome("stopped", warning=f"it was stopped at once: {self._at_once}.")
         if self._ending == "timeout":
             assert self._timeout is not None
             ended = self._interrupted(differs)
             if self._at_once is not None:  # why the timeout's graceful stop could not be
-                ended += f" (not gracefully: {self._at_once.split(': ', 1)[-1]})"
+                ended += f" (not gracefully: {self._at_once})"
             return Outcome("failed", error=LaunchTimeout(self._timeout, ended))
         return Outcome("failed", error=self.tracker.root_cause().error)
 

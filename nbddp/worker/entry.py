@@ -27,14 +27,7 @@ from nbddp.wire.messages import AllJoined, Failed, Hello, Joined, Shown, Trained
 from nbddp.wire.prompts import Release, Reply
 from nbddp.wire.spec import SPEC, JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.wire.stopping import (
-    Checkpointed,
-    Checks,
-    StopAsked,
-    StopAt,
-    StoppedAt,
-    StopRequested,
-)
+from nbddp.wire.stopping import Checkpointed, StopRequested
 from nbddp.worker import (
     asking,
     checkpoints,
@@ -101,10 +94,8 @@ def _listen(
                 stacks.answer(conn, rank, message)
             elif isinstance(message, (Reply, Release)):
                 asking.received(message)
-            elif isinstance(message, StopAsked):
-                conn.send(Checks(rank, agreement.asked()))
-            elif isinstance(message, StopAt):
-                agreement.agree(message.check)
+            else:
+                stopping.listened(message, agreement, rank, conn.send)
     except (EOFError, OSError):
         pass
     kill_own_group()
@@ -118,7 +109,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
     job, fds = frame.message, frame.fds
     del frame  # the job is held by ``job`` alone, and dropped before fn runs
     store = fds.pop() if job.store and fds else None
-    agreement = stopping.Agreement(lambda step, where: conn.send(StoppedAt(rank, step, where)))
+    agreement = stopping.for_rank(conn.send, rank)
     stopping.install(agreement)
     stopping.ask_on_signal(lambda: conn.send(StopRequested(rank, stopping.SIGNALLED)))
     checkpoints.configure(

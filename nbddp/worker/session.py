@@ -48,14 +48,7 @@ from nbddp.wire.messages import (
 from nbddp.wire.prompts import Release, Reply
 from nbddp.wire.spec import JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.wire.stopping import (
-    Checkpointed,
-    Checks,
-    StopAsked,
-    StopAt,
-    StoppedAt,
-    StopRequested,
-)
+from nbddp.wire.stopping import Checkpointed, StopRequested
 from nbddp.worker import (
     asking,
     checkpoints,
@@ -181,9 +174,8 @@ def _run_task(
         fn, args, kwargs = loads_call(task.call, task.shared, frame.fds, device())
         del frame  # nothing here keeps the pickled call while fn runs
         task = task._replace(call=b"")
-        announce = lambda step, where: conn.send(StoppedAt(rank, step, where))  # noqa: E731
         try:
-            stopping.install(stopping.Agreement(announce))
+            stopping.install(stopping.for_rank(conn.send, rank))
             busy.start(task.task)
             world.ensure_group()  # the task before may have destroyed it (a tutorial's cleanup)
             if task.kind == "cell":
@@ -267,13 +259,8 @@ def _listen(
                     stacks.answer(conn, rank, frame.message)
                 case Reply() | Release():
                     asking.received(frame.message)
-                case StopAsked():
-                    agreement = stopping.current()
-                    conn.send(Checks(rank, agreement.asked() if agreement is not None else 0))
-                case StopAt(check=check):
-                    agreement = stopping.current()
-                    if agreement is not None:
-                        agreement.agree(check)
+                case _:
+                    stopping.listened(frame.message, stopping.current(), rank, conn.send)
     except (EOFError, OSError):
         pass
     kill_own_group()

@@ -31,6 +31,9 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
+
+from nbddp.wire.stopping import Checks, StopAsked, StopAt, StoppedAt
 
 __all__ = ["stopping"]
 
@@ -119,6 +122,28 @@ class Agreement:
     def landed(self) -> bool:
         """A check on this rank was True: the run stopped before its end."""
         return self._announced
+
+
+def for_rank(send: Callable[[Any], None], rank: int) -> Agreement:
+    """A rank's agreement (a launch's, or one session task's): its first True check is told
+    to the kernel."""
+    return Agreement(lambda step, where: send(StoppedAt(rank, step, where)))
+
+
+def listened(
+    message: Any, agreement: Agreement | None, rank: int, send: Callable[[Any], None]
+) -> bool:
+    """The rank's listener thread's half: ``StopAsked`` answered at once with this rank's
+    count (0 where nothing runs that checks), ``StopAt`` passed on; False for any other
+    message."""
+    if isinstance(message, StopAsked):
+        send(Checks(rank, agreement.asked() if agreement is not None else 0))
+    elif isinstance(message, StopAt):
+        if agreement is not None:
+            agreement.agree(message.check)
+    else:
+        return False
+    return True
 
 
 _agreement: Agreement | None = None
