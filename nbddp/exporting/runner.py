@@ -310,6 +310,8 @@ class NbddpScript:
         import torch.distributed as dist
 
         stop_file = os.environ.get("NBDDP_STOP_FILE")
+        if self.watcher is not None:
+            self.watcher.close()
         if self.rank == 0 and stop_file and self.watcher and self.watcher.agreement.landed:
             with open(stop_file + ".stopped", "w") as f:  # the batch file requeues the job
                 f.write("stopped at a step boundary before the end\n")

@@ -40,10 +40,20 @@ class Watcher:
         self._prefix = prefix
         self._file = os.environ.get(STOP_FILE) or None
         self._signalled = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._watch, name="nbddp-stop-watch", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def close(self) -> None:
+        """The function is over: end the watch before the interpreter does. A daemon thread
+        still inside a store call while Python finalizes is unwound from C++ code, which
+        aborts the process (a rank of an exported run ended with SIGABRT once in a loaded
+        suite run)."""
+        self._closed = True
+        self._signalled.set()  # wakes its wait at once
+        self._thread.join(timeout=2 * POLL)
 
     def signalled(self, signum: int, frame: FrameType | None) -> None:
         """SIGTERM: a graceful stop (torchrun's ``--shutdown-timeout`` bounds it: then
@@ -52,6 +62,8 @@ class Watcher:
         self._signalled.set()
 
     def _asked(self) -> bool:
+        if self._closed:
+            return True
         key = f"{self._prefix}/asked"
         if self._signalled.is_set() or (self._file is not None and os.path.exists(self._file)):
             self._store.set(key, "1")
@@ -62,6 +74,8 @@ class Watcher:
         try:
             while not self._asked():
                 self._signalled.wait(POLL)
+            if self._closed:
+                return
             count = self.agreement.asked()
             self._store.set(f"{self._prefix}/checks/{self._rank}", str(count))
             keys = [f"{self._prefix}/checks/{r}" for r in range(self._world_size)]

@@ -150,3 +150,21 @@ def test_a_stop_heard_between_the_flag_read_and_the_count_still_lands_on_the_agr
     agreement = _HeardRightAfterTheFlagRead(at)
     first_true = next(n for n in range(1, 50) if agreement.check(n, "test"))
     assert first_true == agreement.agreed
+
+
+def test_an_exported_runs_stop_watch_ends_with_the_function():
+    """Under torchrun the watch polls the store from a thread of its own; the runner closes it
+    before the interpreter ends (a daemon thread unwound inside a store call aborts the
+    process), and a closed watch asks for nothing."""
+    import torch.distributed as dist
+
+    from nbddp.worker.standalone import POLL, Watcher
+
+    store = dist.HashStore()
+    watcher = Watcher(store, 0, 1, "nbddp/stop/0")
+    watcher.start()
+    time.sleep(2 * POLL)  # it polls
+    started = time.monotonic()
+    watcher.close()
+    assert not watcher._thread.is_alive() and time.monotonic() - started < 2 * POLL
+    assert not watcher.agreement.pending and not store.check(["nbddp/stop/0/asked"])
