@@ -132,10 +132,12 @@ class RankPdb(pdb.Pdb):
             self.leave()
             return bool(super().do_quit(arg))
         self.set_quit()
-        self._link.quit()  # the kernel stops the run and ends every rank, this one too
         try:
+            self._link.quit()  # the kernel stops the run and ends every rank, this one too
             threading.Event().wait()
         except KeyboardInterrupt:  # a session's task is stopped this way: leave pdb
+            # (from the moment Quit is sent: one escaping as KeyboardInterrupt would be
+            # caught by pdb's command loop, which asks again)
             raise _Interrupted from None
         return None
 
