@@ -8,7 +8,8 @@ it started.
   which is also its process-group id, stays ours to signal until :meth:`release`.
 * :func:`terminate` is the one teardown: SIGTERM to every rank's process group, a grace
   period, then SIGKILL to the groups and to every process that belongs to the run but left
-  them (see :func:`run_processes`), then reap.
+  them (see :func:`strays`), then wait until the killed ranks are seen gone, then
+  reap.
 
 Non-goal: restarting ranks; a run is all-or-nothing.
 """
@@ -29,6 +30,7 @@ from nbddp.environment import RUN_ID_VARIABLE
 from nbddp.worker.reaping import exit_status, process_table, signal_each
 
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL
+KILL_WAIT = 5.0  # seconds the teardown waits for a killed rank's end to be seen
 
 
 class WorkerProcess(Protocol):
@@ -170,17 +172,24 @@ def terminate(
     for process in alive:
         process.signal_group(signal.SIGTERM)
     signal_each(found, signal.SIGTERM)
-    give_up = time.monotonic() + grace
-    while alive and time.monotonic() < give_up:
-        wait([p.sentinel for p in alive], timeout=give_up - time.monotonic())
-        alive = [p for p in alive if p.exitcode() is None]
+    alive = _wait_ended(alive, grace)
     for process in processes:  # the leader and anything still in its group
         process.signal_group(signal.SIGKILL)
     if not clean:
         found |= strays(run_id, pids, since)
         signal_each(found, signal.SIGKILL)
+    _wait_ended(alive, KILL_WAIT)  # killed, but not gone until its exit is seen
     for process in processes:
         process.release()
+
+
+def _wait_ended(processes: Sequence[WorkerProcess], timeout: float) -> list[WorkerProcess]:
+    """Wait until each process's end is known, up to ``timeout`` seconds; those still not."""
+    give_up = time.monotonic() + timeout
+    while processes and time.monotonic() < give_up:
+        wait([p.sentinel for p in processes], timeout=give_up - time.monotonic())
+        processes = [p for p in processes if p.exitcode() is None]
+    return list(processes)
 
 
 def strays(run_id: str, ranks: Sequence[int], since: float) -> set[int]:

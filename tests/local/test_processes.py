@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import psutil
@@ -89,6 +90,41 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace():
     finally:
         os.close(out)
     assert not psutil.pid_exists(process.pid)
+
+
+class ReportedLate:
+    """A rank whose end is known only through a report that comes a moment after it was
+    killed (a warm rank: its helper reaps it, then tells the kernel); it ignores SIGTERM."""
+
+    def __init__(self) -> None:
+        self.pid = 2**22 + 7  # no such process: signals to its group go nowhere
+        self.sentinel, self._reported = os.pipe()
+        self.code: int | None = None
+        self.known_at_release: bool | None = None
+
+    def exitcode(self) -> int | None:
+        return self.code
+
+    def signal_group(self, signum: int) -> None:
+        if signum == signal.SIGKILL:
+            threading.Timer(0.3, self._reaped).start()
+
+    def _reaped(self) -> None:
+        self.code = -signal.SIGKILL
+        os.write(self._reported, b"x")
+
+    def release(self) -> None:
+        self.known_at_release = self.code is not None
+        os.close(self.sentinel)
+        os.close(self._reported)
+
+
+def test_the_teardown_returns_once_a_killed_ranks_end_is_seen():
+    """Returning at SIGKILL left a warm rank still exiting when an interrupt was raised
+    (test_interrupts' 'a process of the launch outlived the interrupt', now and then)."""
+    process = ReportedLate()
+    terminate([process], "reported-late", time.time(), grace=0.1)  # type: ignore[list-item]
+    assert process.known_at_release
 
 
 ESCAPES = """\
