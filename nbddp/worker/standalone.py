@@ -26,6 +26,7 @@ from typing import Any
 from nbddp.worker import stopping
 
 POLL = 0.25  # seconds between two looks at the store and the stop file
+CLOSE_WAIT = 5.0  # seconds close() waits for a look in progress: one takes milliseconds
 STOP_FILE = "NBDDP_STOP_FILE"
 
 
@@ -49,11 +50,12 @@ class Watcher:
     def close(self) -> None:
         """The function is over: end the watch before the interpreter does. A daemon thread
         still inside a store call while Python finalizes is unwound from C++ code, which
-        aborts the process (a rank of an exported run ended with SIGABRT once in a loaded
-        suite run)."""
+        aborts the process. The wait is generous: on a loaded machine a thread can go
+        unscheduled for longer than a poll; only a stop's agreement, waiting for another rank,
+        can hold it longer."""
         self._closed = True
         self._signalled.set()  # wakes its wait at once
-        self._thread.join(timeout=2 * POLL)
+        self._thread.join(timeout=CLOSE_WAIT)
 
     def signalled(self, signum: int, frame: FrameType | None) -> None:
         """SIGTERM: a graceful stop (torchrun's ``--shutdown-timeout`` bounds it: then
