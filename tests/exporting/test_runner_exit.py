@@ -6,6 +6,7 @@ workers: one that runs holds the end back, one that sleeps does not."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -21,27 +22,30 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _as_gloo_worker(body: Callable[[], None]) -> Callable[[], None]:
+def _as_gloo_worker(body: Callable[[], object], named: threading.Event) -> Callable[[], None]:
     def run() -> None:
         with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
             f.write("pt_gloo_runloop")
+        named.set()
         body()
 
     return run
 
 
+Start = Callable[[Callable[[], object]], threading.Thread]
 _done = threading.Event()  # set when a test ends: its stand-in workers return
 
 
 @pytest.fixture
-def started() -> Iterator[Callable[[Callable[[], None]], threading.Thread]]:
+def started() -> Iterator[Start]:
     threads: list[threading.Thread] = []
     _done.clear()
 
-    def start(body: Callable[[], None]) -> threading.Thread:
-        thread = threading.Thread(target=_as_gloo_worker(body), daemon=True)
+    def start(body: Callable[[], object]) -> threading.Thread:
+        named = threading.Event()
+        thread = threading.Thread(target=_as_gloo_worker(body, named), daemon=True)
         thread.start()
-        time.sleep(0.05)  # named before the wait looks
+        assert named.wait(30)  # named before the wait looks
         threads.append(thread)
         return thread
 
@@ -51,25 +55,29 @@ def started() -> Iterator[Callable[[Callable[[], None]], threading.Thread]]:
         thread.join(timeout=30)
 
 
+@functools.cache
+def _block() -> bytes:
+    return b"x" * (1 << 28)  # 256 MiB: hashing it holds no GIL for a good fraction of a second
+
+
 def _busy(seconds: float) -> Callable[[], None]:
     """Hash without the GIL (what a worker inside a collective's C++ looks like) for about
-    ``seconds``."""
-    block = b"x" * (1 << 24)
+    ``seconds``, taking the GIL only between blocks, far apart."""
     start = time.monotonic()
-    hashlib.sha256(block).digest()
-    rounds = max(1, int(seconds / max(time.monotonic() - start, 1e-4)))
+    hashlib.sha256(_block()).digest()
+    rounds = max(1, round(seconds / (time.monotonic() - start)))
 
     def body() -> None:
         digest = hashlib.sha256()
         for _ in range(rounds):
             if _done.is_set():
                 return
-            digest.update(block)  # releases the GIL for the whole block
+            digest.update(_block())
 
     return body
 
 
-def test_a_running_worker_holds_the_end_back_until_it_sleeps(started) -> None:
+def test_a_running_worker_holds_the_end_back_until_it_sleeps(started: Start) -> None:
     ended = threading.Event()
     busy = _busy(0.5)
 
@@ -83,7 +91,7 @@ def test_a_running_worker_holds_the_end_back_until_it_sleeps(started) -> None:
     assert ended.is_set()
 
 
-def test_sleeping_workers_let_the_script_end_at_once(started) -> None:
+def test_sleeping_workers_let_the_script_end_at_once(started: Start) -> None:
     started(lambda: _done.wait(30))
     started(lambda: _done.wait(30))
     began = time.monotonic()
@@ -92,7 +100,7 @@ def test_sleeping_workers_let_the_script_end_at_once(started) -> None:
 
 
 def test_a_worker_that_never_sleeps_holds_the_end_back_no_longer_than_the_limit(
-    started,
+    started: Start,
 ) -> None:
     started(_busy(6.0))
     began = time.monotonic()
