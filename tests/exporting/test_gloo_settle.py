@@ -1,5 +1,5 @@
 """An exported script's end waits for gloo's worker threads to fall asleep
-(``NbddpScript._let_gloo_settle``): one still freeing a work as the interpreter finalizes
+(``gloo_settle.py``): one still freeing a work as the interpreter finalizes
 aborts the rank after its value was saved. The race itself shows about once in a hundred
 loaded runs, so these tests check the wait on stand-in threads named as gloo names its
 workers: one that runs holds the end back, one that sleeps does not."""
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from nbddp.exporting.runner import NbddpScript
+from nbddp.exporting.gloo_settle import nbddp_let_gloo_settle
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc/self/task"), reason="the wait reads /proc (Linux only)"
@@ -87,7 +87,7 @@ def test_a_running_worker_holds_the_end_back_until_it_sleeps(started: Start) -> 
         _done.wait(30)  # then waits, as a worker waits for the next work
 
     started(body)
-    NbddpScript._let_gloo_settle(limit=20)
+    nbddp_let_gloo_settle(limit=20)
     assert ended.is_set()
 
 
@@ -95,7 +95,7 @@ def test_sleeping_workers_let_the_script_end_at_once(started: Start) -> None:
     started(lambda: _done.wait(30))
     started(lambda: _done.wait(30))
     began = time.monotonic()
-    NbddpScript._let_gloo_settle(limit=20)
+    nbddp_let_gloo_settle(limit=20)
     assert time.monotonic() - began < 1.0
 
 
@@ -104,5 +104,5 @@ def test_a_worker_that_never_sleeps_holds_the_end_back_no_longer_than_the_limit(
 ) -> None:
     started(_busy(6.0))
     began = time.monotonic()
-    NbddpScript._let_gloo_settle(limit=0.5)
+    nbddp_let_gloo_settle(limit=0.5)
     assert 0.5 <= time.monotonic() - began < 3.0
