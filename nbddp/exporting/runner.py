@@ -164,12 +164,11 @@ class NbddpScript:
     def _watch_for_a_stop(self) -> None:
         """The notebook's checkpoint directory, and a graceful stop on SIGTERM or the stop
         file, where nbddp is installed (a function that calls nbddp needs it anyway)."""
+        import atexit
         import os
 
         os.environ.setdefault("NBDDP_CHECKPOINT_DIR", self.export.get("checkpoint_dir", ""))
         os.environ.setdefault("NBDDP_CHECKPOINT_KEEP", str(self.export.get("keep", 2)))
-        import atexit
-
         try:
             from nbddp.worker import standalone
         except ImportError:

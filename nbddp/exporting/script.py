@@ -1,13 +1,12 @@
 """The text of an exported script and of its Slurm batch file.
 
 A script is: a docstring that says what it was exported from, how to run it and what it
-needs; the source of ``runner.py`` and ``gloo_settle.py`` (the only code it runs besides torch
-and cloudpickle); and
-its ending: a function's call, or a cell's own lines between ``start_cell`` and
-``finish_cell``. The batch file starts one torchrun per node with ``srun`` and a static
-rendezvous on the allocation's first node; it asks Slurm for a signal before the time limit,
-on which the ranks stop together at a step (and save what the function saves), and requeues
-the job, whose next start resumes from the same checkpoint directory.
+needs; the source of ``gloo_settle.py`` and ``runner.py`` (the only code it runs besides torch
+and cloudpickle); and its ending: a function's call, or a cell's own lines between
+``start_cell`` and ``finish_cell``. The batch file starts one torchrun per node with
+``srun`` and a static rendezvous on the allocation's first node; it asks Slurm for a signal
+before the time limit, on which the ranks stop together at a step (and save what the function
+saves), and requeues the job, whose next start resumes from the same checkpoint directory.
 
 Non-goal: any scheduler option a site needs (partition, account, time): ``sbatch`` takes them
 on its command line, or the user adds them to the file.
