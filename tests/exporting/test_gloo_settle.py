@@ -32,7 +32,7 @@ def _as_gloo_worker(body: Callable[[], object], named: threading.Event) -> Calla
     return run
 
 
-Start = Callable[[Callable[[], object]], threading.Thread]
+Start = Callable[[Callable[[], object]], None]
 _done = threading.Event()  # set when a test ends: its stand-in workers return
 
 
@@ -41,13 +41,12 @@ def started() -> Iterator[Start]:
     threads: list[threading.Thread] = []
     _done.clear()
 
-    def start(body: Callable[[], object]) -> threading.Thread:
+    def start(body: Callable[[], object]) -> None:
         named = threading.Event()
         thread = threading.Thread(target=_as_gloo_worker(body, named), daemon=True)
         thread.start()
         assert named.wait(30)  # named before the wait looks
         threads.append(thread)
-        return thread
 
     yield start
     _done.set()
