@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any
 
-from nbddp.worker.collectives import Reporter
+from nbddp.worker.diagnosis.collectives import Reporter
 
 
 class CountingConnection:

@@ -37,7 +37,7 @@ MODES = ("hooks on", "hooks off", "hooks on again")
 def _loops(kind: str, steps: int, stop_first: bool) -> dict[str, list[float]]:
     from training_step import make_step
 
-    from nbddp.worker import asking
+    from nbddp.worker.debugging import asking
 
     if stop_first:
         breakpoint()  # no input box here: pdb starts and continues, as after a person's c

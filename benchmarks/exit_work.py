@@ -28,7 +28,7 @@ def timed_exit(folder: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from nbddp.worker import entry
+    from nbddp.worker.rank import entry
 
     exit_work, leave = entry.exit_normally, os._exit
 

@@ -13,7 +13,7 @@ import time
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from nbddp.worker import sync_check
+from nbddp.worker.diagnosis import sync_check
 
 
 def percentiles(samples: list[float]) -> str:

@@ -27,13 +27,13 @@ from nbddp.errors import (
     SerializationError,
     WorkerError,
 )
-from nbddp.worker.checkpoints import checkpoint, restore
 from nbddp.worker.context import barrier, device, is_main, local_rank, print, rank, world_size
-from nbddp.worker.debugger import breakpoint
+from nbddp.worker.debugging.debugger import breakpoint
 from nbddp.worker.live import log
 from nbddp.worker.prepare import prepare_loader, prepare_model, unwrap
 from nbddp.worker.progress import progress
-from nbddp.worker.stopping import stopping
+from nbddp.worker.recovery.checkpoints import checkpoint, restore
+from nbddp.worker.recovery.stopping import stopping
 
 __all__ = [
     "LaunchTimeout",

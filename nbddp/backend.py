@@ -5,7 +5,7 @@
   :class:`Outcome`. ``Run`` knows nothing else about it.
 * :class:`Ranks` are rank processes somewhere (this machine, a cluster's nodes): started,
   served until a :class:`Judge` decides, torn down. A launch and a session reach their ranks
-  through it alone, and differ only in the judge; ``launch.ranks_for`` picks where they run,
+  through it alone, and differ only in the judge; ``ranks.ranks_for`` picks where they run,
   so a new place to run ranks is a new ``Ranks``, not a branch in the launch or session path.
 """
 
@@ -149,7 +149,7 @@ class Backend(Protocol):
 class Ranks(Protocol):
     """Rank processes somewhere, from start to teardown: every rank of a launch or of a
     session, on this machine (:class:`~nbddp.local.group.RankGroup`) or on a cluster's nodes
-    (:class:`~nbddp.clusters.ranks.ClusterRanks`). Made by ``launch.ranks_for``; making one
+    (:class:`~nbddp.clusters.ranks.ClusterRanks`). Made by ``ranks.ranks_for``; making one
     opens nothing, so one that never starts needs no teardown.
 
     ``start``, ``serve`` and ``teardown`` are called from one thread at a time (``serve`` on a

@@ -206,7 +206,7 @@ def worker_env(
         # launched from a Jupyter kernel (ipykernel set this): the notebook's inline backend,
         # as a rank can have it, figures going to the cell; and plotly's renderer, which a
         # process without IPython would make a web browser
-        env["MPLBACKEND"] = "module://nbddp.worker.figures"
+        env["MPLBACKEND"] = "module://nbddp.worker.output.figures"
         env.setdefault("PLOTLY_RENDERER", _plotly_renderer())
     if device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(physical_gpus(gpus))

@@ -1,6 +1,6 @@
 """``notebook_launch``: resolve a plan, pick the backend that runs it, drive a :class:`Run`;
-``spawn``, the same launch in ``torch.multiprocessing.spawn``'s shape; and :func:`ranks_for`,
-the one place that picks where ranks run, for launches and sessions alike."""
+and ``spawn``, the same launch in ``torch.multiprocessing.spawn``'s shape. Where the ranks
+run is picked by :func:`nbddp.ranks.ranks_for`, for launches and sessions alike."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import Any
 from nbddp import interrupts
 from nbddp.backend import Backend, Ranks
 from nbddp.local.in_kernel import InKernel, device_name
-from nbddp.local.processes import Starter
-from nbddp.local.ranks import local_ranks
-from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan
+from nbddp.plan import STALL_AFTER, LaunchPlan
+from nbddp.planning import make_plan
+from nbddp.ranks import ranks_for
 from nbddp.recovery import KEEP, STOP_GRACE, default_checkpoint_dir
 from nbddp.run import Run, remember
 from nbddp.supervised import Supervised
-from nbddp.wire.call import Call, dumps_call
-from nbddp.worker.spawned import LocalRankFirst
+from nbddp.wire.call import dumps_call
+from nbddp.worker.rank.spawned import LocalRankFirst
 
 
 def notebook_launch(
@@ -313,17 +313,3 @@ def _backend_for(
     remake = ranks if plan.max_restarts else None  # a restart's world: the call pickled anew
     interrupts.reached("pickling")
     return Supervised(plan, ranks(), remake), "cpu" if plan.device == "cpu" else "GPU"
-
-
-def ranks_for(
-    plan: LaunchPlan, call: Call, session: bool = False, starter: Starter | None = None
-) -> Ranks:
-    """Where the ranks of ``plan`` run: processes on this machine, or on the nodes of
-    ``plan.cluster`` through its engine (``session``: ranks that stay up and take tasks).
-    Nothing starts, and nothing is opened, until their ``start``. ``starter``: how this
-    machine's ranks are started (a detached run's supervisor has a helper of its own)."""
-    if plan.cluster is None:
-        return local_ranks(plan, call, starter, session=session)
-    from nbddp.clusters.ranks import cluster_ranks  # Ray or Slurm, imported when named
-
-    return cluster_ranks(plan, call, session)

@@ -29,10 +29,10 @@ def is_warm_helper(proc: psutil.Process) -> bool:
     reported, not a leftover. A rank it forked has the same command line but leads a session
     of its own, so a rank left behind is still caught."""
     try:
-        if "nbddp.worker.forkserver" not in " ".join(proc.cmdline()):
+        if "nbddp.worker.helper.server" not in " ".join(proc.cmdline()):
             return False
         parent = proc.parent()
-        if parent is None or "nbddp.worker.forkserver" not in " ".join(parent.cmdline()):
+        if parent is None or "nbddp.worker.helper.server" not in " ".join(parent.cmdline()):
             return True  # the helper itself
         return os.getsid(proc.pid) == parent.pid  # waiting in the helper's session
     except (psutil.Error, OSError):

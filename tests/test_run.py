@@ -13,7 +13,7 @@ from conftest import blocks
 
 from nbddp import RunStopped
 from nbddp.backend import Finish, Outcome, RunEvents
-from nbddp.plan import make_plan
+from nbddp.planning import make_plan
 from nbddp.run import Run
 
 

@@ -1,6 +1,5 @@
 """Which cluster a launch names: ``cluster=`` resolved to a cluster object, and the default
-:func:`set_cluster` keeps for later launches, ``%%ddp`` cells and sessions; whether a run can
-be detached there, and where its ranks go.
+:func:`set_cluster` keeps for later launches, ``%%ddp`` cells and sessions.
 
 Each engine is imported only when a launch names it (Ray only for "ray...", nothing for Slurm
 but its command-line tools).
@@ -8,9 +7,9 @@ but its command-line tools).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from nbddp.clusters.placement import Cluster, place_on_cluster
+from nbddp.clusters.placement import Cluster
 
 _default: Cluster | None = None
 
@@ -40,38 +39,3 @@ def resolve(cluster: Any) -> Cluster | None:
         f"cluster={cluster!r} is not one of 'ray', 'ray://host:port', 'slurm', a "
         "nbddp.RayCluster or nbddp.SlurmCluster, or None (this machine)."
     )
-
-
-def check_detachable(detach: Any, cluster: Any, debug: Any = False) -> None:
-    """``detach=``: where a run cannot be detached, say so before anything starts."""
-    if not isinstance(detach, bool):
-        raise ValueError(f"detach={detach!r} must be True or False.")
-    if detach and debug is True:
-        raise ValueError(
-            "debug=True opens pdb in the notebook's input box, but a detached run has none "
-            "(kernels come and go): drop detach=True to debug the run, or drop debug=True."
-        )
-    if not detach or cluster is None:
-        return
-    if type(cluster).__name__ not in ("RayCluster", "SlurmCluster"):
-        raise ValueError(f"detach=True cannot run on {cluster!r}.")
-
-
-def place_launch(
-    cluster: Cluster,
-    num_workers: int | str,
-    device: str,
-    nodes: int | str,
-    workers_per_node: int | str,
-    detach: bool,
-) -> tuple[Literal["cuda", "cpu"], int, int, list[str]]:
-    """Device, nodes, ranks per node, and a detached run's batch job's sbatch options on
-    Slurm (none elsewhere: the ranks are placed on the cluster's nodes as they are now)."""
-    from nbddp.clusters.slurm.allocation import SlurmCluster
-
-    if detach and isinstance(cluster, SlurmCluster):  # a batch job: no allocation to place on
-        from nbddp.clusters.slurm.batch_shape import batch_shape
-
-        return batch_shape(cluster, num_workers, device, nodes, workers_per_node)
-    placed = place_on_cluster(cluster, num_workers, device, nodes, workers_per_node)
-    return (*placed, [])

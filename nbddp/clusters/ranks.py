@@ -35,8 +35,7 @@ from nbddp.clusters.nodes import NodeStart, node_places
 from nbddp.environment import new_run_id
 from nbddp.errors.notices import warn_user
 from nbddp.local.processes import TERM_GRACE
-from nbddp.local.ranks import job_spec
-from nbddp.plan import LaunchPlan
+from nbddp.plan import LaunchPlan, job_spec
 from nbddp.wire.call import Call
 from nbddp.wire.messages import NodeLost, Output, RankEvent, Task
 
@@ -245,6 +244,6 @@ def cluster_ranks(plan: LaunchPlan, call: Call, session: bool = False) -> Cluste
         from nbddp.clusters.slurm.engine import SlurmEngine
 
         engine = SlurmEngine(plan.cluster)
-    else:  # launch.ranks_for runs a plan without a cluster on this machine
+    else:  # ranks.ranks_for runs a plan without a cluster on this machine
         raise TypeError(f"no engine for cluster={plan.cluster!r}")
     return ClusterRanks(plan, call, engine, session)

@@ -2,7 +2,7 @@
 
 ``notebook_launch(..., detach=True)`` and ``%%ddp --detach`` give the ranks a supervisor of
 their own, outside the kernel's process tree: forked by the kernel's pre-warmed helper away
-from every tree (``worker/leaving.py``), it runs the launch through the same backend an
+from every tree (``worker/helper/leaving.py``), it runs the launch through the same backend an
 attached launch uses, writes every event into the run's directory as it comes, and serves any
 kernel that attaches, until the run ends. Then it exits, and nothing of the run is left
 running; if it is killed, its ranks die with it.

@@ -4,7 +4,7 @@ until its ranks started (or it says why they could not).
 A supervisor is forked by the kernel's pre-warmed helper when it is ready (torch is then
 imported already, and the supervisor's own helper, forked from it, is ready at once), or else
 started as a fresh interpreter that forks itself away from the kernel. Either way it leaves
-the kernel's process tree before it runs any of a launch (``worker/leaving.py``), imports
+the kernel's process tree before it runs any of a launch (``worker/helper/leaving.py``), imports
 what supervising needs, forks its helper, says it stands by, and waits for a launch on its
 link: the pickled call with the descriptors of its shared memory (captured tensors are not
 copied again), the run's directory, and the run's lock, held from the directory's first
@@ -54,7 +54,7 @@ if __name__ == "__main__":
         os.setsid()
     helper = None
     if os.environ.get("NBDDP_PREWARM", "1") != "0":  # a helper of its own, before any thread
-        from nbddp.worker.own_helper import fork_server
+        from nbddp.worker.helper.own_helper import fork_server
 
         helper = fork_server(keep=(link,))
     from nbddp.detached.supervisor import main

@@ -1,7 +1,7 @@
 """A detached run's supervisor: the process that owns its ranks, outside the kernel's tree.
 
 Forked from the kernel's pre-warmed helper (or started cold), it has left every process tree
-before this code runs (``worker/leaving.py``), and forked a helper of its own for its ranks.
+before this code runs (``worker/helper/leaving.py``), and forked a helper of its own for its ranks.
 It takes the launch from the kernel's link (the call, the kernel's working directory, path
 and environment, and the run's held lock), runs it through the same backend as an attached
 launch, with a :class:`~nbddp.detached.recorder.Recorder` as the run's events, and serves
@@ -48,10 +48,10 @@ from nbddp.detached.link import (
 from nbddp.detached.outcome import Ending, encode_error, write_value
 from nbddp.detached.recorder import STATUS_EVERY, Recorder
 from nbddp.environment import is_launcher_variable
-from nbddp.launch import ranks_for
 from nbddp.local.forkserver import WarmStarter
 from nbddp.local.helper import Helper
 from nbddp.local.processes import ColdStarter, Starter
+from nbddp.ranks import ranks_for
 from nbddp.supervised import Supervised
 from nbddp.wire import payload
 from nbddp.wire.call import Call

@@ -2,6 +2,6 @@
 the odd one out (``stacks.py``), the answers as they arrive (``answers.py``), and the watch that
 shows the roll-call when no rank made progress for ``stall_after`` seconds (``stall.py``).
 
-The ranks' side is ``worker/stacks.py``; a rank that cannot answer is dumped by a signal
+The ranks' side is ``worker/diagnosis/stacks.py``; a rank that cannot answer is dumped by a signal
 (``local/stack_dumps.py``). Nothing here runs while nothing is asked or nothing stalls.
 """

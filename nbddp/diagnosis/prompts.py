@@ -10,7 +10,7 @@ until it continues; meanwhile another rank's prompt waits, unless the served ran
 sits at its own prompt). Where there is no input box the loop thread answers at once: the
 rank skips its breakpoint (a warning names the rank and the line), ``input()`` raises.
 
-Non-goal: pdb (the rank's ``worker/debugger.py``), what the panel shows.
+Non-goal: pdb (the rank's ``worker/debugging/debugger.py``), what the panel shows.
 """
 
 from __future__ import annotations

@@ -178,7 +178,8 @@ def script_path(path: Any) -> Path:
 def resolve_layout(num_workers: Any, device: Any, nodes: Any) -> Layout:
     """Device, backend, nodes and ranks per node, as ``notebook_launch`` would resolve them
     on this machine; a GPU script may be written where no GPU is visible."""
-    from nbddp.plan import DEVICE_OPTIONS, visible_gpu_count
+    from nbddp.plan import DEVICE_OPTIONS
+    from nbddp.planning import visible_gpu_count
 
     if device not in DEVICE_OPTIONS:
         raise ValueError(f"export: device={device!r} is not one of 'auto', 'cuda', 'cpu'.")

@@ -3,14 +3,13 @@ process group torchrun set up, load what the notebook captured, run the function
 on this rank as ``notebook_launch`` would, and keep rank 0's value.
 
 This file is copied whole into each exported script, which must run where nbddp's kernel side
-is absent: it imports only the standard library, torch and cloudpickle, never nbddp (its one
-import of nbddp, ``gloo_settle``'s function, is copied before it instead). Its one top-level
-name is :class:`NbddpScript` (a cell's own names share the script's namespace).
+is absent: it imports only the standard library, torch and cloudpickle, never nbddp. Its one
+top-level name is :class:`NbddpScript` (a cell's own names share the script's namespace).
 
 Where nbddp is importable, a graceful stop works here too: ``nbddp.checkpoint`` saves into
 the checkpoint directory the notebook's launch used (``NBDDP_CHECKPOINT_DIR`` overrides it),
 and SIGTERM or the batch file's stop file (Slurm's signal before the time limit) stops every
-rank at the same step (``nbddp/worker/standalone.py``); when it did, rank 0 leaves
+rank at the same step (``nbddp/worker/recovery/standalone.py``); when it did, rank 0 leaves
 ``$NBDDP_STOP_FILE.stopped`` for the batch file, which then requeues the job to resume.
 
 Non-goals: supervising the ranks (torchrun does: a failing rank ends the job, and its
@@ -19,8 +18,6 @@ traceback heads torchrun's summary, and ``--max-restarts`` restarts them) and th
 """
 
 from typing import Any
-
-from nbddp.exporting.gloo_settle import nbddp_let_gloo_settle
 
 
 class NbddpScript:
@@ -170,7 +167,7 @@ class NbddpScript:
         os.environ.setdefault("NBDDP_CHECKPOINT_DIR", self.export.get("checkpoint_dir", ""))
         os.environ.setdefault("NBDDP_CHECKPOINT_KEEP", str(self.export.get("keep", 2)))
         try:
-            from nbddp.worker import standalone
+            from nbddp.worker.recovery import standalone
         except ImportError:
             return
         self.watcher = standalone.install()
@@ -323,7 +320,49 @@ class NbddpScript:
                 f.write("stopped at a step boundary before the end\n")
         if dist.is_initialized():
             dist.destroy_process_group()
-        nbddp_let_gloo_settle()  # nbddp/exporting/gloo_settle.py, copied before this class
+        self._let_gloo_settle()
+
+    @staticmethod
+    def _let_gloo_settle(limit: float = 2.0) -> None:
+        """Return once gloo's worker threads are all asleep (at most ``limit`` seconds).
+
+        An allreduce DDP starts in backward carries autograd's context, a Python object, and
+        gloo's worker thread frees it after the work is done, taking the GIL. A worker that
+        asks for the GIL as the interpreter finalizes is unwound out of C++ and the rank
+        aborts ('terminate called without an active exception', SIGABRT) after its value was
+        saved, so torchrun reports the run failed: 6 times in 700 runs of the docs' export
+        block, four at once on two cores. Plain DDP scripts share the race, and
+        ``destroy_process_group`` does not end it: once DDP used the group, torch keeps the
+        group and its threads alive.
+
+        Sleeping releases the GIL, so a worker waiting for it gets it; a worker that is
+        running shows as such in ``/proc``. Two looks a sleep apart that find every worker
+        asleep (waiting for work) mean none can ask for the GIL again. Where there is no
+        ``/proc`` (not Linux) or no gloo worker, this returns at once. Not covered: a worker
+        still inside a collective nobody waited for (it sleeps on the network)."""
+        import os
+        import time
+
+        tasks = "/proc/self/task"
+        if not os.path.isdir(tasks):
+            return
+        deadline = time.monotonic() + limit
+        quiet = 0
+        while quiet < 2 and time.monotonic() < deadline:
+            states = []
+            for tid in os.listdir(tasks):
+                try:
+                    with open(f"{tasks}/{tid}/comm") as f:
+                        if f.read().strip() != "pt_gloo_runloop":
+                            continue
+                    with open(f"{tasks}/{tid}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except OSError:  # the thread is gone
+                    continue
+            if not states:
+                return
+            quiet = quiet + 1 if all(state == "S" for state in states) else 0
+            time.sleep(0.01)
 
     @staticmethod
     def _recording(hook: Any) -> Any:

@@ -1,12 +1,12 @@
 """The text of an exported script and of its Slurm batch file.
 
-A script is: a docstring that says what it was exported from, how to run it and what it
-needs; the source of ``gloo_settle.py`` and ``runner.py`` (the only code it runs besides torch
-and cloudpickle); and its ending: a function's call, or a cell's own lines between
-``start_cell`` and ``finish_cell``. The batch file starts one torchrun per node with
-``srun`` and a static rendezvous on the allocation's first node; it asks Slurm for a signal
-before the time limit, on which the ranks stop together at a step (and save what the function
-saves), and requeues the job, whose next start resumes from the same checkpoint directory.
+A script is: a docstring that says what it was exported from, how to run it and what it needs; the
+source of ``runner.py`` (the only code it runs besides torch and cloudpickle); and its ending: a
+function's call, or a cell's own lines between ``start_cell`` and ``finish_cell``. The batch file
+starts one torchrun per node with ``srun`` and a static rendezvous on the allocation's first node;
+it asks Slurm for a signal before the time limit, on which the ranks stop together at a step (and
+save what the function saves), and requeues the job, whose next start resumes from the same
+checkpoint directory.
 
 Non-goal: any scheduler option a site needs (partition, account, time): ``sbatch`` takes them
 on its command line, or the user adds them to the file.
@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Any
 
 RUNNER = Path(__file__).with_name("runner.py")
-SETTLE = Path(__file__).with_name("gloo_settle.py")
-_SETTLE_IMPORT = "from nbddp.exporting.gloo_settle import nbddp_let_gloo_settle"
 
 
 @dataclass(frozen=True)
@@ -234,11 +232,8 @@ def _shape(layout: Layout) -> str:
 
 
 def _runner_source() -> str:
-    """``gloo_settle.py``'s function, then ``runner.py``'s class (without its import of it)."""
-    settle = SETTLE.read_text()
     text = RUNNER.read_text()
-    text = text[text.index("from typing import Any") :].replace(f"{_SETTLE_IMPORT}\n", "")
-    return f"{settle[settle.index('def nbddp_let_gloo_settle') :].rstrip()}\n\n\n{text.rstrip()}"
+    return text[text.index("from typing import Any") :].rstrip()
 
 
 def _literal(value: Any) -> str:

@@ -1,6 +1,6 @@
 """Pre-warmed ranks, the kernel's side: launch as fast as a fork, with spawn's safety.
 
-A helper process (``helper.py``; its server half is ``worker/forkserver.py``) is started from
+A helper process (``helper.py``; its server half is ``worker/helper/server.py``) is started from
 a fresh interpreter, never a fork of the kernel. It imports torch, the rank runtime and what a
 first training step imports, never touches CUDA, and forks one brand-new rank per request.
 Each rank is a fresh child: nothing of a previous launch is in it (module state, process
@@ -11,7 +11,7 @@ only in not paying for its imports.
   the notebook imported, as a fork launcher's would, and with what the last launch's ranks
   imported. A module whose import makes forking unsafe (a thread, CUDA, a process) gets a
   fresh helper without it, and a warning at the next launch; ``NBDDP_PRELOAD_EXCLUDE`` names
-  modules never to preload, ``NBDDP_PRELOAD=0`` mirrors nothing (``worker/preload.py``).
+  modules never to preload, ``NBDDP_PRELOAD=0`` mirrors nothing (``worker/helper/preload.py``).
 * It goes away with the kernel: when the kernel's end of the socket closes (exit, restart,
   SIGKILL), the helper exits, and its ranks with it (``PR_SET_PDEATHSIG``). If it dies, the
   next launch starts a new helper (and one that died importing a module gets one without it).
@@ -38,7 +38,7 @@ from nbddp.errors import NbddpWarning
 from nbddp.local.helper import Helper
 from nbddp.local.mirror import Mirror, after_each_cell, in_a_notebook, kernel_path
 from nbddp.local.processes import ColdStarter, Starter, WorkerProcess
-from nbddp.worker.preload import mirroring, user_excluded
+from nbddp.worker.helper.preload import mirroring, user_excluded
 
 READY_WAIT = 10.0  # seconds a launch waits for a starting helper before starting cold
 

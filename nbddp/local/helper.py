@@ -41,7 +41,7 @@ from nbddp.wire.helper import (
     SpawnFailed,
     Unsafe,
 )
-from nbddp.worker.preload import EXCLUDE_VARIABLE, user_excluded
+from nbddp.worker.helper.preload import EXCLUDE_VARIABLE, user_excluded
 
 REPLY_WAIT = 10.0  # seconds of silence from the helper before a launch gives up on it
 IMPORT_WAIT = 30.0  # the same while it imports a module (a large one on a loaded machine: ~10 s)
@@ -121,7 +121,7 @@ class Helper:
             [
                 sys.executable,
                 "-c",
-                "from nbddp.worker.forkserver import serve; serve()",
+                "from nbddp.worker.helper.server import serve; serve()",
                 str(theirs.fileno()),
             ],
             pass_fds=[theirs.fileno()],
@@ -250,7 +250,7 @@ class Helper:
         raise OSError(f"the warm helper could not fork a rank: {answer}")
 
     def spawn_detached(self, argv: list[str], env: dict[str, str], fds: list[int]) -> None:
-        """Fork a detached run's supervisor (``worker/leaving.py``); ``fds``: its stdout,
+        """Fork a detached run's supervisor (``worker/helper/leaving.py``); ``fds``: its stdout,
         stderr and link. Raises OSError when the helper cannot."""
         request = next(self._requests)
         with self._changed:

@@ -33,9 +33,11 @@ from nbddp.plan import LaunchPlan
 from nbddp.recovery import stopped_gracefully
 from nbddp.wire import payload
 from nbddp.wire.stacks import AskStacks, StackReport
-from nbddp.worker import checkpoints, debugger, live, stopping
-from nbddp.worker.report import format_user_traceback, hint_for, message_of
-from nbddp.worker.stacks import current_threads, recent_collectives
+from nbddp.worker import live
+from nbddp.worker.debugging import debugger
+from nbddp.worker.diagnosis.stacks import current_threads, recent_collectives
+from nbddp.worker.rank.report import format_user_traceback, hint_for, message_of
+from nbddp.worker.recovery import checkpoints, stopping
 
 ABORT_GRACE = 0.5
 

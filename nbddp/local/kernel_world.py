@@ -24,14 +24,14 @@ from nbddp.environment import (
     torchrun_env,
 )
 from nbddp.plan import LaunchPlan
-from nbddp.worker import world
 from nbddp.worker.context import Context, installed
+from nbddp.worker.rank import world
 
 
 @contextmanager
 def single_rank_world(plan: LaunchPlan, fn: Callable[..., Any] | None = None) -> Iterator[None]:
     """The kernel as rank 0 of a world of 1, for the length of the block. The user's own
-    ``init_process_group`` is answered from its group, as a rank's is (``worker/world.py``),
+    ``init_process_group`` is answered from its group, as a rank's is (``worker/rank/world.py``),
     also through a name bound to torch's function before the launch (in the notebook, in
     ``fn``'s module or in the user's own modules)."""
     import torch

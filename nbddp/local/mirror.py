@@ -4,7 +4,7 @@ A fork launcher's ranks start with every module the notebook imported; nbddp's a
 helper that is no fork of the kernel. So the kernel tells the helper what it imported: when
 nbddp starts the helper, after each cell (IPython's ``post_run_cell``, in the background) and
 at each launch (before its ranks are asked for, so they have it). The helper imports them
-between launches (``worker/preload.py`` says what it never imports and how it stays safe).
+between launches (``worker/helper/preload.py`` says what it never imports and how it stays safe).
 Only a notebook's (an IPython kernel or shell): a script's ranks start with what the first
 training step needs and, from the second launch on, with what the first one's ranks imported.
 
@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable
 
-from nbddp.worker.preload import excluded, importable
+from nbddp.worker.helper.preload import excluded, importable
 
 
 class Mirror:

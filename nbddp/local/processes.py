@@ -163,7 +163,7 @@ def terminate(
     TERM goes to each rank's process group, KILL after ``grace`` seconds (at once when they are
     gone) to the groups and to the run's strays (:func:`strays`). When every rank had already
     exited with code 0 there is nothing to look for: a rank ends its own descendants before it
-    exits (``worker/entry.py``).
+    exits (``worker/rank/entry.py``).
     """
     clean = all(p.exitcode() == 0 for p in processes)
     pids = [p.pid for p in processes]

@@ -15,7 +15,6 @@ from nbddp.environment import (
     device_indices,
     interface_of,
     new_run_id,
-    notebook_logging,
     single_node,
     store_socket,
     worker_env,
@@ -24,9 +23,8 @@ from nbddp.errors.notices import warn_user
 from nbddp.local.forkserver import default_starter
 from nbddp.local.group import Environments, RankGroup
 from nbddp.local.processes import Starter
-from nbddp.plan import LaunchPlan
+from nbddp.plan import LaunchPlan, job_spec
 from nbddp.wire.call import Call
-from nbddp.wire.spec import JobSpec
 
 
 def local_ranks(
@@ -88,35 +86,4 @@ def _warn_if_kernel_holds_gpus(plan: LaunchPlan) -> None:
         "this kernel holds a CUDA context on " + ", ".join(held) + ", which the workers also "
         "use: they have that much less memory. If a rank runs out of memory, free it with "
         "`del` and torch.cuda.empty_cache(), or restart the kernel before launching."
-    )
-
-
-def job_spec(
-    plan: LaunchPlan,
-    run_id: str,
-    device_index: tuple[int, ...],
-    session: bool,
-    sys_path: tuple[str, ...] = (),
-    cwd: str = "",
-) -> JobSpec:
-    """What every rank of ``plan`` needs before it connects, wherever it runs. The channel's
-    address and key are filled in by the group that listens; a cluster node fills in its own
-    ``sys_path`` and ``cwd``."""
-    return JobSpec(
-        address="",
-        authkey="",
-        run_id=run_id,
-        sys_path=sys_path,
-        cwd=cwd,
-        device=plan.device,
-        device_index=device_index,
-        backend=plan.backend,
-        return_all=plan.return_all,
-        output=plan.output,
-        logging=notebook_logging(),
-        session=session,
-        exit_timeout=plan.exit_timeout,
-        debug=plan.debug,
-        checkpoint_dir=plan.checkpoint_dir,
-        keep=plan.keep,
     )

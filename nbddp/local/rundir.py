@@ -31,7 +31,7 @@ if __name__ == "__main__":
     import sys
 
     sys.path.append({package_parent!r})
-    from nbddp.worker.entry import main
+    from nbddp.worker.rank.entry import main
 
     sys.exit(main({directory!r}))
 """
@@ -71,7 +71,7 @@ class RunDir:
         return path
 
     def write_script(self) -> str:
-        """The ``__main__`` script each rank runs (``worker/entry.py`` does the work)."""
+        """The ``__main__`` script each rank runs (``worker/rank/entry.py`` does the work)."""
         package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         script = _SCRIPT.format(package_parent=package_parent, directory=self.path)
         return self.write(SCRIPT, script.encode())

@@ -1,5 +1,5 @@
 """A notebook cell as a DDP job: which names go in and which come out (the kernel's half; the
-ranks run the cell with ``worker/cell.py``).
+ranks run the cell with ``worker/rank/cell.py``).
 
 Name analysis uses the compiler's own scoping (``symtable``) for nested functions, classes and
 comprehensions, and walks the top-level statements in order (``ast``) to tell a name the cell

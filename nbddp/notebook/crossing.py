@@ -14,7 +14,7 @@ from nbddp.errors import SerializationError
 from nbddp.notebook import cell as cells
 from nbddp.wire import payload
 from nbddp.wire.culprit import locate_unpicklable
-from nbddp.worker.cell import CellOutcome
+from nbddp.worker.rank.cell import CellOutcome
 
 
 def out_names(

@@ -42,10 +42,9 @@ from nbddp.plan import (
     STALL_AFTER,
     STALL_HELP,
     LaunchPlan,
-    make_plan,
-    seconds_or_none,
 )
-from nbddp.worker.cell import CellOutcome, run_cell
+from nbddp.planning import make_plan, seconds_or_none
+from nbddp.worker.rank.cell import CellOutcome, run_cell
 
 _counter = itertools.count(1)
 

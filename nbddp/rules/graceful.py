@@ -1,5 +1,5 @@
 """The kernel's half of a graceful stop (the ranks' half, and why it is safe:
-``worker/stopping.py``), as a launch's referee keeps it.
+``worker/recovery/stopping.py``), as a launch's referee keeps it.
 
 A stop is asked from any thread (``request``: the Stop button, ``run.stop(graceful=True)``, the
 first interrupt, the timeout, Slurm's signal before the time limit); the referee sends it on

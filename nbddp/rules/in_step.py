@@ -1,11 +1,11 @@
 """Whether a session's process groups are in step, from the collectives each rank issued.
 
 A task cut short can leave one rank having issued a collective that its peers never matched
-(``nbddp/worker/collectives.py``). The ranks are idle, but the next collective would hang or
-silently pair with the stale one, so a session keeps its ranks after such a task only when
-every member of every process group issued the same number of collectives on it. The check
-asks nothing of the ranks beyond what they reported with their answers: no collective, so it
-can neither hang nor pair with a stale one.
+(``nbddp/worker/diagnosis/collectives.py``). The ranks are idle, but the next collective would hang
+or silently pair with the stale one, so a session keeps its ranks after such a task only when every
+member of every process group issued the same number of collectives on it. The check asks nothing
+of the ranks beyond what they reported with their answers: no collective, so it can neither hang
+nor pair with a stale one.
 
 A rank that did not report, or could not count, cannot be proven in step. Point-to-point
 sends and receives count too (gloo numbers them with the collectives): within a group of more

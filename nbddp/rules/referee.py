@@ -12,7 +12,7 @@ them joined the process group, and gives the verdict:
   :class:`~nbddp.errors.LaunchTimeout` when it cannot be graceful;
 * when every rank exited after reporting, rank 0's value (or every rank's) is the result.
 
-A rank that reported its result runs its exit work before it exits (``worker/exiting.py``):
+A rank that reported its result runs its exit work before it exits (``worker/rank/exiting.py``):
 the run shows it as finishing, and goes on until it exited; the ``timeout`` no longer applies
 then, as the rank bounds that work itself (``exit_timeout``). What went wrong there comes as
 the outcome's ``exit_warnings``. A rank still there ``EXIT_GRACE`` seconds past its bound (its

@@ -1,7 +1,7 @@
 """Did the ranks of a run train one model together? The verdict, from what each rank reported.
 
 Each rank sends a :class:`~nbddp.wire.messages.SyncCheck` with its result (see
-``nbddp/worker/sync_check.py``): a fingerprint of every DDP model it built, how many
+``nbddp/worker/diagnosis/sync_check.py``): a fingerprint of every DDP model it built, how many
 collectives it ran, whether an optimizer stepped. :func:`judge` is a pure function of them
 (tested by a table in ``tests/rules/test_sync_check.py``), and says in plain words what went wrong:
 

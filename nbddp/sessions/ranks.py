@@ -1,7 +1,7 @@
 """A session's ranks: started once, then serving one task after another.
 
 Where they run is the session's :class:`~nbddp.backend.Ranks`, picked by
-:func:`~nbddp.launch.ranks_for` exactly as a launch's are (with ``session=True``): on this
+:func:`~nbddp.ranks.ranks_for` exactly as a launch's are (with ``session=True``): on this
 machine one :class:`~nbddp.local.group.RankGroup` kept for the session's life; on a cluster
 each node's helper keeping its group. Their loop runs on a thread of its own, judged for the
 session's whole life by a :class:`~nbddp.rules.session_judge.SessionJudge`, which hands each
@@ -11,7 +11,7 @@ the mechanism around it: the loop's thread, what the kernel's thread waits on (t
 status probe), and the task's finish once the ranks are torn down.
 
 Closing idle ranks is their normal end: each is sent ``Close`` and runs its exit work (exit
-handlers, then the processes it started get SIGTERM; ``worker/exiting.py``), bounded by the
+handlers, then the processes it started get SIGTERM; ``worker/rank/exiting.py``), bounded by the
 plan's ``exit_timeout``. A running task, a failure or a lost kernel end them at once.
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 from nbddp.backend import Ranks, RunEvents
 from nbddp.errors import NbddpError
 from nbddp.errors.notices import our_bug, warn_user
-from nbddp.launch import ranks_for
 from nbddp.plan import LaunchPlan
+from nbddp.ranks import ranks_for
 from nbddp.rules.session_judge import SessionJudge, TaskFinish
 from nbddp.rules.task_referee import TaskReferee, TaskVerdict
 from nbddp.wire.call import Call

@@ -25,7 +25,8 @@ from typing import Any
 from nbddp.errors import NbddpError, WorkerError
 from nbddp.errors.notices import warn_user
 from nbddp.launch import check_call
-from nbddp.plan import STALL_AFTER, LaunchPlan, make_plan, with_run_options
+from nbddp.plan import STALL_AFTER, LaunchPlan
+from nbddp.planning import make_plan, with_run_options
 from nbddp.recovery import STOP_GRACE
 from nbddp.rules.task_referee import restart_cause, restart_note, trigger
 from nbddp.run import Run, remember
@@ -182,9 +183,9 @@ class Session:
         deletes: frozenset[str],
         **options: Any,
     ) -> Any:
-        """A ``%%ddp --session`` cell (see ``worker/cell.py``): its CellOutcome."""
+        """A ``%%ddp --session`` cell (see ``worker/rank/cell.py``): its CellOutcome."""
         __tracebackhide__ = True
-        from nbddp.worker.cell import run_cell
+        from nbddp.worker.rank.cell import run_cell
 
         plan = self._options(
             options.get("timeout"),

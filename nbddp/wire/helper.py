@@ -1,4 +1,4 @@
-"""The kernel and its pre-warmed helper (``local/forkserver.py``, ``worker/forkserver.py``): the
+"""The kernel and its pre-warmed helper (``local/forkserver.py``, ``worker/helper/server.py``): the
 messages of their own wire, beside the ranks' (``messages.py``).
 
 Non-goal: the ranks' messages.
@@ -71,7 +71,7 @@ class Handoff(NamedTuple):
     argv: list[str]
     env: dict[str, str]
     drop: list[str]
-    detached: bool = False  # a detached run's supervisor (``worker/leaving.py``), not a rank
+    detached: bool = False  # a detached run's supervisor (``worker/helper/leaving.py``), not a rank
 
 
 class Imported(NamedTuple):

@@ -284,7 +284,7 @@ class Names(NamedTuple):
 
 
 class GroupCount(NamedTuple):
-    """One process group as a rank sees it (``worker/collectives.py``)."""
+    """One process group as a rank sees it (``worker/diagnosis/collectives.py``)."""
 
     name: str  # torch's name of the group, the same on every member
     members: tuple[int, ...]  # its global ranks

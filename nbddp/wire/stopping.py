@@ -1,7 +1,7 @@
 """What travels for a graceful stop and for checkpoints (``nbddp.stopping``,
 ``nbddp.checkpoint``), kernel <-> rank. Both sides import this module; it imports nothing.
 
-The agreement, in messages (``worker/stopping.py`` says why it is safe):
+The agreement, in messages (``worker/recovery/stopping.py`` says why it is safe):
 
     StopAsked()                   kernel -> every rank: a graceful stop is asked
     Checks(rank, checks)          rank -> kernel, from its listener thread, at once: how many

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
 
-from nbddp.worker import live, stopping
+from nbddp.worker import live
 from nbddp.worker.context import is_main
 from nbddp.worker.live import LiveBuffer
+from nbddp.worker.recovery import stopping
 
 T = TypeVar("T")
 

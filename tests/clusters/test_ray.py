@@ -556,7 +556,7 @@ def write_at_exit(path: str) -> int:
 
 
 def test_exit_handlers_run_on_every_node_after_a_launch_and_a_session(cluster, tmp_path):
-    """A rank that ended normally runs its exit handlers on its node too (worker/exiting.py):
+    """A rank that ended normally runs its exit handlers on its node too (worker/rank/exiting.py):
     after a launch, and at a session's close()."""
     launched = str(tmp_path / "launched")
     assert nbddp.notebook_launch(write_at_exit, (launched,), **RAY) == 0

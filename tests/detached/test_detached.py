@@ -48,7 +48,7 @@ def warm_helper():
 
 
 def forked_from_the_helper(supervisor: psutil.Process) -> bool:
-    return "nbddp.worker.forkserver" in " ".join(supervisor.cmdline())
+    return "nbddp.worker.helper.server" in " ".join(supervisor.cmdline())
 
 
 def train(go: str, rows: int) -> dict:

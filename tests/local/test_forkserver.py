@@ -143,7 +143,7 @@ def imports_after_the_fork() -> tuple[list[str], list[str]]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbddp.worker import forked
+    from nbddp.worker.helper import forked
 
     at_start = sorted(set(sys.modules) - forked.known)
     for optimizer in (torch.optim.SGD, torch.optim.AdamW):

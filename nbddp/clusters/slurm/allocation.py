@@ -6,13 +6,13 @@ order, each node's ``NodeAddr``, the CPUs and GPUs the job holds there), and one
 per node is started through ``srun --overlap`` at the first launch and kept warm for later
 launches and sessions (``link.py``).
 
-An allocation nbddp asked for asks Slurm for SIGUSR1 ``SIGNAL_LEAD`` seconds before its time
-limit, sent to its steps: the node helpers ignore it, and each rank asks the kernel for a
-graceful stop (``worker/stopping.py``). It is a sleeper job (``sbatch --wrap 'sleep infinity'``, as
+An allocation nbddp asked for asks Slurm for SIGUSR1 ``SIGNAL_LEAD`` seconds before its time limit,
+sent to its steps: the node helpers ignore it, and each rank asks the kernel for a graceful stop
+(``worker/recovery/stopping.py``). It is a sleeper job (``sbatch --wrap 'sleep infinity'``, as
 submitit and ipyparallel submit theirs): while it is pending its queue state is printed as it
-changes; an interrupt then cancels it; ``close()``, the kernel's exit (``atexit``) and a
-failed wait cancel it too, so nothing is left queued or running. The allocation a kernel runs
-in is never cancelled by nbddp: it only ends its own step.
+changes; an interrupt then cancels it; ``close()``, the kernel's exit (``atexit``) and a failed
+wait cancel it too, so nothing is left queued or running. The allocation a kernel runs in is never
+cancelled by nbddp: it only ends its own step.
 
 Non-goal: the launch itself (``../ranks.py``).
 """
