@@ -37,7 +37,8 @@ from nbddp.worker import live
 from nbddp.worker.debugging import debugger
 from nbddp.worker.diagnosis.stacks import current_threads, recent_collectives
 from nbddp.worker.rank.report import format_user_traceback, hint_for, message_of
-from nbddp.worker.recovery import checkpoints, stopping
+from nbddp.worker.rank.runtime import Checkpoints, RankRuntime
+from nbddp.worker.recovery import stopping
 
 ABORT_GRACE = 0.5
 
@@ -165,14 +166,21 @@ class InKernel:
         self._thread_id = threading.get_ident()
         fn, args, kwargs = self._call
         timer: threading.Timer | None = None
-        buffer: live.LiveBuffer | None = None
-        previous_buffer: live.LiveBuffer | None = None
-        previous_agreement: stopping.Agreement | None = None
         agreement = self._agreement = stopping.Agreement(self._stopped_at)
+        services = contextlib.ExitStack()  # the rank runtime's, undone in the finally
         try:
             with interrupts.deferred():  # what is set up here is undone in the finally
-                previous_agreement = stopping.install(agreement)
-                checkpoints.configure(plan.checkpoint_dir or None, plan.keep, self._checkpointed)
+                call = services.enter_context(
+                    RankRuntime(0, _EventsSink(events)).call(
+                        agreement,
+                        Checkpoints(plan.checkpoint_dir or None, plan.keep, self._checkpointed),
+                        # a blocking run owns the cell: pdb asks its input box
+                        asks=debugger.in_the_kernel(sys.stdout) if plan.block else None,
+                    )
+                )
+                self._buffer = call.buffer
+                if self._reason is not None:
+                    call.buffer.abort = _Abort
                 if plan.timeout:
                     timer = threading.Timer(
                         plan.timeout, self.stop_gracefully, (f"the timeout of {plan.timeout:g} s",)
@@ -180,16 +188,11 @@ class InKernel:
                     timer.kwargs = {"reason": "timeout"}
                     timer.daemon = True
                     timer.start()
-                buffer = self._buffer = live.LiveBuffer(_EventsSink(events))
-                if self._reason is not None:
-                    buffer.abort = _Abort
-                previous_buffer = live.install(buffer)
             # A blocking call owns the cell: its prints go to the panel, like a rank's would.
             panel = events.output if plan.block else None
             redirect = _redirected(panel) if panel is not None else contextlib.nullcontext()
             interrupts.reached("joining the process group")
-            asks = debugger.in_the_kernel(sys.stdout) if plan.block else contextlib.nullcontext()
-            with single_rank_world(plan, fn), asks, redirect:
+            with single_rank_world(plan, fn), redirect:
                 with self._lock:
                     if self._reason is not None:
                         raise _Abort
@@ -231,11 +234,7 @@ class InKernel:
         finally:
             with interrupts.deferred():
                 interrupts.reached("tearing down")
-                if buffer is not None:
-                    buffer.close()  # every row reaches the state before the outcome
-                    live.install(previous_buffer)
-                stopping.install(previous_agreement)
-                checkpoints.configure(None)
+                services.close()  # every row reaches the state before the outcome
                 if timer is not None:
                     timer.cancel()
         finish(outcome)

@@ -26,3 +26,9 @@ folder                        runs in
 Every module a rank imports before ``fn`` is also imported by the pre-warmed helper ahead of
 the fork (``helper/server.py``), so it must be fork-safe on import: no thread, no CUDA.
 """
+
+import os
+
+# nbddp's own directory, with a trailing separator: frames and modules under it are ours, left
+# out of a user's traceback, a roll-call's "where in your code" and pdb's stack.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

@@ -107,13 +107,15 @@ _released_changed = threading.Condition()
 _link: Link | None = None
 
 
-def configure(link: Link | None) -> None:
-    """This rank's link for the run (or the session's task) that starts; None: it ended."""
+def configure(link: Link | None) -> Link | None:
+    """This rank's link for the run (or the session's task) that starts; None: it ended.
+    Returns the link it replaced."""
     global _link
-    _link = link
+    previous, _link = _link, link
     if link is not None:
         with _released_changed:
             _released.difference_update({r for r in _released if r[0] < link.task})
+    return previous
 
 
 def current() -> Link | None:

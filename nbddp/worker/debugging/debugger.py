@@ -23,10 +23,9 @@ from collections.abc import Iterator
 from types import FrameType, ModuleType, TracebackType
 from typing import Any
 
+from nbddp.worker import PACKAGE_DIR
 from nbddp.worker.debugging import asking
 from nbddp.worker.debugging.asking import Link
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def stop_here(link: Link, frame: FrameType, release: int = 0, header: str | None = None) -> None:
@@ -74,7 +73,7 @@ def _breakpoint(rank: int, frame: FrameType) -> None:
 def _from_user_code(error: BaseException) -> TracebackType | None:
     """``error``'s traceback from the user's first frame: nbddp's are not theirs."""
     traceback = error.__traceback__
-    while traceback is not None and traceback.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+    while traceback is not None and traceback.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
         traceback = traceback.tb_next
     return traceback
 

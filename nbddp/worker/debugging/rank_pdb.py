@@ -6,20 +6,18 @@ rank's first stop only: ``pdb`` costs ~15 ms to import, which no launch should p
 
 from __future__ import annotations
 
-import os
 import pdb
 import threading
 from types import FrameType, TracebackType
 
+from nbddp.worker import PACKAGE_DIR
 from nbddp.worker.debugging.asking import Link, where
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _ours(filename: str) -> bool:
     """A frame of how the rank started (nbddp, runpy, its script), not of the user's code."""
     return (
-        filename.startswith(_PACKAGE)
+        filename.startswith(PACKAGE_DIR)
         or filename in ("<string>", "<frozen runpy>")
         or (filename.endswith("launch.py") and "/nbddp-" in filename)
     )

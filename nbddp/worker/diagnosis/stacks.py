@@ -37,8 +37,8 @@ from nbddp.wire.stacks import (
     parse_faulthandler,
     read_dump,
 )
+from nbddp.worker import PACKAGE_DIR
 
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 RECENT_COLLECTIVES = 8  # flight-recorder entries sent per rank
 CHILD_WAIT = 0.5  # seconds a forked child gets to write its dump
 NATIVE_WAIT = 20.0  # seconds py-spy gets (reading native symbols is slow)

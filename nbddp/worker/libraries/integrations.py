@@ -92,9 +92,11 @@ def _apply(patch: Patch, module: ModuleType) -> None:
 _output = "rank0"  # whose output the current run shows (a session's tasks each say theirs)
 
 
-def set_output(output: str) -> None:
+def set_output(output: str) -> str:
+    """Whose output the bars of the call that starts show; returns the one it replaced."""
     global _output
-    _output = output
+    previous, _output = _output, output
+    return previous
 
 
 def install(output: str) -> None:

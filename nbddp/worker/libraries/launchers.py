@@ -21,7 +21,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+from nbddp.worker import PACKAGE_DIR
 
 
 def install() -> None:
@@ -80,7 +80,7 @@ def _caller() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith((torch_dir, _PACKAGE_DIR)) and "<frozen" not in filename:
+        if not filename.startswith((torch_dir, PACKAGE_DIR)) and "<frozen" not in filename:
             break
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:

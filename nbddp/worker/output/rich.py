@@ -152,10 +152,17 @@ def shown() -> None:
     _shown.set()
 
 
-def configure(send: Send | None, rank: int = 0, output: str = "rank0") -> None:
-    """Start (or, with ``send=None``, end) a run's rich output on this rank."""
+def configure(send: Send | None, rank: int = 0, output: str = "rank0") -> _Publisher | None:
+    """Start (or, with ``send=None``, end) a run's rich output on this rank; returns what it
+    replaced (for :func:`reinstate`)."""
+    return reinstate(_Publisher(send, rank, output) if send is not None else None)
+
+
+def reinstate(publisher: _Publisher | None) -> _Publisher | None:
+    """Make ``publisher`` (one :func:`configure` returned) this rank's again."""
     global _publisher
-    _publisher = _Publisher(send, rank, output) if send is not None else None
+    previous, _publisher = _publisher, publisher
+    return previous
 
 
 def install() -> Callable[[ModuleType], None]:

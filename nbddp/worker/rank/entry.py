@@ -20,30 +20,21 @@ from __future__ import annotations
 import os
 import threading
 
-from nbddp.wire import payload, transport
+from nbddp.wire import transport
 from nbddp.wire.call import loads_call
 from nbddp.wire.frames import Connection
-from nbddp.wire.messages import AllJoined, Failed, Hello, Joined, Shown, Trained
+from nbddp.wire.messages import AllJoined, Failed, Hello, Shown, Trained
 from nbddp.wire.prompts import Release, Reply
 from nbddp.wire.spec import SPEC, JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.wire.stopping import Checkpointed, StopRequested
-from nbddp.worker import live
-from nbddp.worker.debugging import asking, debugger
+from nbddp.worker.debugging import asking
 from nbddp.worker.diagnosis import stacks, sync_check
-from nbddp.worker.libraries import integrations
 from nbddp.worker.output import rich
-from nbddp.worker.rank.exiting import exit_normally, skip_import_finalizers
-from nbddp.worker.rank.job import (
-    join_process_group,
-    kill_own_group,
-    prepare,
-    receive_job,
-    send_result,
-)
-from nbddp.worker.rank.report import ChannelSink, error_report
+from nbddp.worker.rank.exiting import exit_normally
+from nbddp.worker.rank.job import join_process_group, kill_own_group, receive_job, send_result
+from nbddp.worker.rank.runtime import Call, RankProcess
 from nbddp.worker.reaping import become_subreaper, end_descendants
-from nbddp.worker.recovery import checkpoints, stopping
+from nbddp.worker.recovery import stopping
 from nbddp.worker.streams import flush_output
 
 
@@ -98,63 +89,51 @@ def _listen(
 
 def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) -> int:
     """Receive the job, join the process group, call fn and report; the exit code."""
-    from nbddp.worker.context import installed
-
     frame = receive_job(conn, rank)
     job, fds = frame.message, frame.fds
     del frame  # the job is held by ``job`` alone, and dropped before fn runs
     store = fds.pop() if job.store and fds else None
+    process = RankProcess(spec, rank, conn)
     agreement = stopping.for_rank(conn.send, rank)
-    stopping.install(agreement)
-    stopping.ask_on_signal(lambda: conn.send(StopRequested(rank, stopping.SIGNALLED)))
-    checkpoints.configure(
-        spec.checkpoint_dir or None,
-        spec.keep,
-        lambda *saved: conn.send(Checkpointed(rank, *saved)),
-    )
     threading.Thread(
         target=_listen, args=(conn, rank, joined, agreement), name="nbddp-listener", daemon=True
     ).start()
-    early_exit = checked = False
-    try:
-        payload.install_sources(job.sources)
-        context = prepare(spec, rank, conn)
-        integrations.install(spec.output)  # before unpickling: see install()
-        with installed(context):
-            fn, args, kwargs = loads_call(job.call, job.shared, fds, context.device)
-            del job  # the pickled call is not kept while fn runs
-            join_process_group(spec, rank, context.world_size, store)
-            conn.send(Joined(rank))
-            buffer = live.LiveBuffer(ChannelSink(conn, rank))
-            live.install(buffer)
-            rich.configure(conn.send, rank, spec.output)
-            asking.configure(
-                asking.Link(conn.send, rank, context.world_size, spec.output, debug=spec.debug)
-            )
-            checked = context.world_size > 1  # "did DDP happen?" means something
-            if checked:
-                sync_check.install()
-            skip_import_finalizers()
-            try:
-                value = fn(*args, **kwargs)
-            finally:
-                rich.finish()  # figures left open go to the cell, before the outcome
-                buffer.close()  # every logged row reaches the kernel before the outcome
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            conn.send(Failed(rank, error_report(exc)))
-            return 1
-        value, early_exit = None, True
-    except BaseException as exc:
-        debugger.post_mortem(exc)  # debug=True: pdb at the failing frame, the others held
-        conn.send(Failed(rank, error_report(exc)))
-        return 1
-    finally:
+    prepared = Call.run(process.prepare)
+    if prepared.failure is not None:
         flush_output()
+        conn.send(Failed(rank, prepared.failure))
+        return 1
+    context = prepared.value
+    checked = context.world_size > 1  # "did DDP happen?" means something
+
+    def body() -> object:
+        nonlocal job
+        fn, args, kwargs = loads_call(job.call, job.shared, fds, context.device)
+        del job  # the pickled call is not kept while fn runs
+        join_process_group(spec, rank, context.world_size, store)
+        process.joined()
+        return fn(*args, **kwargs)
+
+    with process.runtime.call(
+        agreement,
+        process.checkpoints(),
+        sources=job.sources,
+        output=spec.output,
+        world_size=context.world_size,
+        debug=spec.debug,
+        checked=checked,
+        context=context,
+    ) as call:
+        ended = call.run(body)
+    flush_output()
+    if ended.failure is not None:
+        conn.send(Failed(rank, ended.failure))
+        return 1
     check = sync_check.report() if checked else None
     if check is not None:
         conn.send(Trained(rank, check))
     # The process group is not destroyed: the rank exits right after its exit work
     # (``os._exit``) and the OS closes its connections, while gloo's ``destroy_process_group``
     # alone costs ~20 ms.
-    return 0 if send_result(conn, rank, value, early_exit, rank == 0 or spec.return_all) else 1
+    wanted = rank == 0 or spec.return_all
+    return 0 if send_result(conn, rank, ended.value, ended.early, wanted) else 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.errors import SerializationError
 from nbddp.wire import payload
@@ -16,6 +16,9 @@ from nbddp.wire.messages import DeviceName, Job, Result, Unsendable
 from nbddp.wire.spec import JobSpec
 from nbddp.wire.stacks import AskStacks
 from nbddp.worker.diagnosis import stacks
+
+if TYPE_CHECKING:
+    from nbddp.worker.context import Context
 from nbddp.worker.rank import notebook_code
 
 
@@ -59,7 +62,7 @@ def _adopt_kernel_paths(spec: JobSpec) -> None:
     os.chdir(spec.cwd)
 
 
-def prepare(spec: JobSpec, rank: int, conn: Connection) -> Any:
+def prepare(spec: JobSpec, rank: int, conn: Connection) -> Context:
     """What a rank sets up before the process group: the notebook's paths and logging, its
     device (named to the kernel by rank 0), and the ``nbddp.rank()`` context to install."""
     import torch

@@ -7,7 +7,6 @@ raises still gets its type, its traceback and a placeholder message.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import traceback
@@ -16,8 +15,7 @@ import types
 from nbddp.wire import payload
 from nbddp.wire.frames import Connection
 from nbddp.wire.messages import Bars, BarSnapshot, Block, ErrorReport, MainRows, Rows
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+from nbddp.worker import PACKAGE_DIR
 
 
 def error_report(exc: BaseException) -> ErrorReport:
@@ -94,7 +92,7 @@ def format_user_traceback(exc: BaseException) -> str:
         te = traceback.TracebackException.from_exception(exc)
         frames = list(te.stack)
         first_user = next(
-            (i for i, frame in enumerate(frames) if not frame.filename.startswith(_PACKAGE_DIR)), 0
+            (i for i, frame in enumerate(frames) if not frame.filename.startswith(PACKAGE_DIR)), 0
         )
         hidden = _hidden(exc, len(frames))
         kept = [f for i, f in enumerate(frames) if i >= first_user and i not in hidden]

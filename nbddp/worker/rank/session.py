@@ -38,7 +38,6 @@ from nbddp.wire.messages import (
     Close,
     Failed,
     Interrupt,
-    Joined,
     Names,
     Probe,
     RankStatus,
@@ -48,24 +47,14 @@ from nbddp.wire.messages import (
 from nbddp.wire.prompts import Release, Reply
 from nbddp.wire.spec import JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.wire.stopping import Checkpointed, StopRequested
-from nbddp.worker import live
-from nbddp.worker.context import device, world_size
-from nbddp.worker.debugging import asking, debugger
+from nbddp.worker.context import Context
+from nbddp.worker.debugging import asking
 from nbddp.worker.diagnosis import collectives, stacks
-from nbddp.worker.libraries import integrations
 from nbddp.worker.output import rich
 from nbddp.worker.rank import world
-from nbddp.worker.rank.exiting import skip_import_finalizers
-from nbddp.worker.rank.job import (
-    join_process_group,
-    kill_own_group,
-    prepare,
-    receive_job,
-    send_result,
-)
-from nbddp.worker.rank.report import ChannelSink, error_report
-from nbddp.worker.recovery import checkpoints, stopping
+from nbddp.worker.rank.job import join_process_group, kill_own_group, receive_job, send_result
+from nbddp.worker.rank.runtime import Call, RankProcess
+from nbddp.worker.recovery import stopping
 from nbddp.worker.streams import flush_output
 
 _MISSING = object()
@@ -102,8 +91,6 @@ SESSION_CHECKPOINTS = "nbddp-checkpoints/session"
 def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     """Join the process group, then run tasks until the kernel closes the session (0: the
     rank then leaves as a launched one does after its result) or its channel."""
-    from nbddp.worker.context import installed
-
     frame = receive_job(conn, rank)
     store = frame.fds.pop() if frame.message.store and frame.fds else None
     for fd in frame.fds:  # a session's job carries no call
@@ -114,90 +101,82 @@ def serve(spec: JobSpec, rank: int, conn: Connection) -> int:
     threading.Thread(
         target=_listen, args=(conn, rank, tasks, busy, spec), name="nbddp-session", daemon=True
     ).start()
-    try:
-        context = prepare(spec, rank, conn)
+    process = RankProcess(spec, rank, conn)
+
+    def start() -> Context:
+        # a session's tasks checkpoint into one directory (its plan has none of a function's)
+        context = process.prepare(default_checkpoints=SESSION_CHECKPOINTS)
         join_process_group(spec, rank, context.world_size, store)
-    except BaseException as exc:
-        conn.send(Failed(rank, error_report(exc)))
+        return context
+
+    started = Call.run(start)
+    if started.failure is not None:
+        conn.send(Failed(rank, started.failure))
         return 1
-    conn.send(Joined(rank))
-    integrations.install(spec.output)
-    # a session's tasks checkpoint into one directory (its plan has none of a function's)
-    checkpoints.configure(
-        spec.checkpoint_dir or os.path.abspath(SESSION_CHECKPOINTS),
-        spec.keep,
-        lambda *saved: conn.send(Checkpointed(rank, *saved)),
-    )
-    stopping.ask_on_signal(lambda: conn.send(StopRequested(rank, stopping.SIGNALLED)))
-    skip_import_finalizers()
+    context: Context = started.value
+    process.joined()
     # Ray starts its processes with SIGINT blocked (services.py), and a node's ranks inherit the
     # mask: unblocked, an Interrupt reaches the task on a cluster as it does here
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, busy.on_sigint)
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     reporter = collectives.Reporter(rank)
-    with installed(context):
-        while True:
-            try:
-                task = tasks.get()
-                if task is None:
-                    return 0
-                _run_task(task, rank, conn, namespace, busy, reporter)
-            except KeyboardInterrupt:  # came after the task ended: nothing left to stop
-                continue
+    while True:
+        try:
+            task = tasks.get()
+            if task is None:
+                return 0
+            _run_task(task, process, context, namespace, busy, reporter)
+        except KeyboardInterrupt:  # came after the task ended: nothing left to stop
+            continue
 
 
 def _run_task(
     frame: Frame,
-    rank: int,
-    conn: Connection,
+    process: RankProcess,
+    context: Context,
     namespace: dict[str, Any],
     busy: _Busy,
     reporter: collectives.Reporter,
 ) -> None:
     task = frame.message
     assert isinstance(task, Task)
-    buffer = live.LiveBuffer(ChannelSink(conn, rank))
-    live.install(buffer)
-    integrations.set_output(task.output)
-    rich.configure(conn.send, rank, task.output)
-    asking.configure(asking.Link(conn.send, rank, world_size(), task.output, task.task, task.debug))
-    report = None
-    value = None
-    try:
-        payload.install_sources(task.sources)
-        fn, args, kwargs = loads_call(task.call, task.shared, frame.fds, device())
+    rank, conn = process.rank, process.conn
+
+    def body() -> Any:
+        nonlocal frame, task
+        assert isinstance(task, Task)
+        fn, args, kwargs = loads_call(task.call, task.shared, frame.fds, context.device)
         del frame  # nothing here keeps the pickled call while fn runs
         task = task._replace(call=b"")
+        busy.start(task.task)
         try:
-            stopping.install(stopping.for_rank(conn.send, rank))
-            busy.start(task.task)
             world.ensure_group()  # the task before may have destroyed it (a tutorial's cleanup)
             if task.kind == "cell":
-                value = fn(*args, namespace=namespace, **kwargs)
-            else:
-                value = call_in(namespace, fn, args, kwargs)
+                return fn(*args, namespace=namespace, **kwargs)
+            return call_in(namespace, fn, args, kwargs)
         finally:
-            busy.task = None
-            stopping.install(None)  # before the answer: a later ask finds no task here
-            rich.finish()  # figures left open go to the cell, before the outcome
-            buffer.close()  # every logged row reaches the kernel before the outcome
-    except SystemExit as exc:  # the session goes on: exit(0) ends the task, not the rank
-        if exc.code not in (None, 0):
-            report = error_report(exc)
-    except BaseException as exc:
-        debugger.post_mortem(exc)  # debug=True: pdb at the failing frame, the others held
-        report = error_report(exc)
-    finally:
-        live.install(None)
-        flush_output()
+            busy.task = None  # before the services are undone: a late interrupt is ignored
+
+    with process.runtime.call(
+        stopping.for_rank(conn.send, rank),  # removed before the answer: a later ask finds none
+        process.checkpoints(),
+        sources=task.sources,
+        output=task.output,
+        world_size=context.world_size,
+        task=task.task,
+        debug=task.debug,
+        context=context,
+    ) as call:
+        ended = call.run(body)
+    flush_output()
     reporter.report(conn)  # the task's code is over: the numbers stay as they are
     if rank == 0:
         conn.send(Names(rank, tuple(n for n in namespace if not n.startswith("__"))))
-    if report is not None:
-        conn.send(Failed(rank, report))
+    if ended.failure is not None:
+        conn.send(Failed(rank, ended.failure))
     else:
-        send_result(conn, rank, value, False, rank == 0 or task.return_all)
+        send_result(conn, rank, ended.value, False, rank == 0 or task.return_all)
 
 
 def call_in(

@@ -47,11 +47,17 @@ _notify: Notify | None = None
 _saves = itertools.count()  # this process's saves: the same sequence on every rank
 
 
-def configure(directory: str | None, keep: int = 2, notify: Notify | None = None) -> None:
-    """The run's checkpoint directory and how many to keep (a rank's entry, the one-rank run,
-    an exported script); ``notify`` hears of each complete checkpoint (rank 0's)."""
+Config = tuple[str | None, int, Notify | None]
+
+
+def configure(directory: str | None, keep: int = 2, notify: Notify | None = None) -> Config:
+    """The run's checkpoint directory and how many to keep (a rank's runtime, the one-rank
+    run, an exported script); ``notify`` hears of each complete checkpoint (rank 0's). Returns
+    what it replaced (``configure(*previous)`` puts it back)."""
     global _directory, _keep, _notify
+    previous = _directory, _keep, _notify
     _directory, _keep, _notify = directory, keep, notify
+    return previous
 
 
 def directory() -> str:
