@@ -147,13 +147,11 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
                 buffer.close()  # every logged row reaches the kernel before the outcome
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            conn.send(Failed(rank, error_report(exc)))
-            return 1
+            return _failed(conn, rank, exc)
         value, early_exit = None, True
     except BaseException as exc:
         debugger.post_mortem(exc)  # debug=True: pdb at the failing frame, the others held
-        conn.send(Failed(rank, error_report(exc)))
-        return 1
+        return _failed(conn, rank, exc)
     finally:
         flush_output()
     check = sync_check.report() if checked else None
@@ -163,3 +161,10 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
     # (``os._exit``) and the OS closes its connections, while gloo's ``destroy_process_group``
     # alone costs ~20 ms.
     return 0 if send_result(conn, rank, value, early_exit, rank == 0 or spec.return_all) else 1
+
+
+def _failed(conn: Connection, rank: int, exc: BaseException) -> int:
+    """Report the rank's failure; the process's exit code (a script's own, else 1)."""
+    report = error_report(exc)
+    conn.send(Failed(rank, report))
+    return report.exitcode or 1

@@ -18,6 +18,14 @@ from nbddp.wire.frames import Connection
 from nbddp.wire.messages import Bars, BarSnapshot, Block, ErrorReport, MainRows, Rows
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_exit: tuple[BaseException, int] | None = None  # the exit code a script's failure has
+
+
+def note_exit(exc: BaseException, code: int) -> None:
+    """``exc`` ends a script with exit code ``code`` (``worker/scripts.py``): its report says
+    so. A function's failure has none of its own."""
+    global _exit
+    _exit = (exc, code)
 
 
 def error_report(exc: BaseException) -> ErrorReport:
@@ -35,6 +43,7 @@ def error_report(exc: BaseException) -> ErrorReport:
         mro=tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__),
         module=cls.__module__,
         hint=hint_for(exc),
+        exitcode=_exit[1] if _exit is not None and _exit[0] is exc else None,
     )
 
 
