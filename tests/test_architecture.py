@@ -95,9 +95,12 @@ ALLOWED = {
         "recovery",  # a task's stop_grace default, as a launch's
         "rules",
         "run",
+        "scripts",  # Session.run_script checks and reads a script as run_script does
         "wire",
         "worker",
     },
+    # a script as it is (run_script): checked and read here, run as a launch's function
+    "scripts": {"errors", "interrupts", "launch", "plan", "recovery", "worker"},
     # a launch as a script: no engine; the script's runner uses the rank side where installed
     "exporting": {"plan", "recovery", "wire", "worker", "errors"},
     "notebook": None,  # the IPython face: anything
