@@ -369,3 +369,22 @@ def test_a_lightning_script_fills_the_panel_and_stops_gracefully_through_its_tra
         warnings.simplefilter("always")
         assert run.result() == 0
     assert "fit returned at epoch" in capfd.readouterr().out  # the trainer's own stop
+
+
+def imports_beside() -> str:
+    import beside
+
+    return beside.VALUE
+
+
+def test_a_script_teaches_the_warm_helper_nothing_of_its_own_directory(tmp_path, monkeypatch):
+    """A rank tells the helper what it imported, for the next launch: a script's modules and
+    its directory must not be among them, or the notebook's own ``beside`` would be shadowed."""
+    script = write(tmp_path / "proj" / "uses.py", "import beside\nprint(beside.VALUE)\n")
+    write(tmp_path / "proj" / "beside.py", "VALUE = 'the script\\'s'\n")
+    write(tmp_path / "notebook" / "beside.py", "VALUE = 'the notebook\\'s'\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "notebook"))
+    for _ in range(3):  # the helper imports between launches what the last one's ranks used
+        assert nbddp.run_script(script, **TWO) == 0
+        time.sleep(0.5)
+    assert nbddp.notebook_launch(imports_beside, **TWO) == "the notebook's"

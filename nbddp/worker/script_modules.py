@@ -14,6 +14,10 @@ runs, :func:`forget_for` drops from ``sys.modules``:
   the working directory) that lives elsewhere: the script's directory comes first on its
   ``sys.path``, so ``import utils`` must find the ``utils.py`` beside it, not the notebook's.
 
+A launched rank's script also leaves nothing of its own to the helper (:func:`forget_at_exit`):
+what its ranks imported is reported to the helper for the next launch, and a script's
+directory or modules there would shadow the notebook's own in later launches.
+
 Python's own limits stay: a module edited within the same second as its ``__pycache__`` file
 was written, without changing its size, is read from that file (as under ``torchrun``).
 
@@ -24,6 +28,8 @@ would read the same files.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
 import os
 import sys
@@ -85,6 +91,23 @@ def remember_imports(before: Iterable[str]) -> None:
         for name, module in list(sys.modules.items())
         if name not in known and name not in _MAINS and local_file(module, roots) is not None
     )
+
+
+def forget_at_exit(directory: str) -> None:
+    """A launched rank's script leaves the pre-warmed helper nothing of its own. As the rank
+    exits (after the script's own exit handlers: they were registered later, and ``atexit``
+    runs the last first), ``directory`` leaves ``sys.path`` and the user's modules the script
+    imported leave ``sys.modules``; so the imports the rank reports to the helper
+    (``worker/forked.py``, the last handler of all) never have it import a script's module,
+    nor find the notebook's modules in a script's directory."""
+    atexit.register(_forget, directory)
+
+
+def _forget(directory: str) -> None:
+    with contextlib.suppress(ValueError):
+        sys.path.remove(directory)
+    drop(_with_submodules(set(_by_scripts)))
+    _by_scripts.clear()
 
 
 def _with_submodules(names: set[str]) -> set[str]:

@@ -71,6 +71,8 @@ def run(script: ScriptMain) -> int:
         os.chdir(script.cwd)
     first = os.path.dirname(os.path.realpath(script.path)) if script.path else os.getcwd()
     with _as_main(script, first) as main:
+        if not script.session:  # the process is the script's until it exits
+            script_modules.forget_at_exit(first)
         before = set(sys.modules)
         try:
             code = _code(script, main)
