@@ -388,3 +388,18 @@ def test_a_script_teaches_the_warm_helper_nothing_of_its_own_directory(tmp_path,
         assert nbddp.run_script(script, **TWO) == 0
         time.sleep(0.5)
     assert nbddp.notebook_launch(imports_beside, **TWO) == "the notebook's"
+
+
+def test_the_verdict_says_when_a_scripts_ranks_trained_apart(tmp_path):
+    script = write(
+        tmp_path / "apart.py",
+        """\
+        import torch
+        model = torch.nn.Linear(4, 1)  # never wrapped in DDP: each rank trains its own
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+        """,
+    )
+    with pytest.warns(NbddpWarning, match="ranks trained independently"):
+        assert nbddp.run_script(script, **TWO) == 0

@@ -1,7 +1,8 @@
 """``%ddp_run`` in a real kernel: rank 0's output in the cell, a module with ``-m`` and
 ``--env``, a failing script shown with its own lines, an edit to a module the kernel itself
 imported (so the warm helper holds it too) seen by the next run, a ``breakpoint()`` in a
-script answered in the cell's input box and ``--debug``'s post-mortem, ``--session``, and
+script answered in the cell's input box and ``--debug``'s post-mortem, an interrupt (a
+graceful stop of a script that checks, SIGTERM for one that does not), ``--session``, and
 misuse as ``UsageError``."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from test_stopping_kernel import interrupt_when
 
 pytestmark = pytest.mark.e2e
 TWO = "%ddp_run -n 2 --device cpu --display none"
@@ -165,6 +167,45 @@ def test_session_runs_on_the_sessions_ranks(notebook):
         assert reply["ename"] == "UsageError" and "-n cannot apply" in out
     finally:
         kernel.run("%ddp_session stop")
+
+
+CHECKS = """\
+import sys, time
+import nbddp
+
+for step in nbddp.progress(range(1_000_000)):
+    if step == 20:
+        print("training", flush=True)
+    time.sleep(0.01)
+print("the script saw the stop:", nbddp.stopping(), flush=True)
+"""
+
+PLAIN = """\
+import os, signal, sys, time
+
+def on_sigterm(signum, frame):
+    open(sys.argv[1] + os.environ["RANK"], "w").close()
+    sys.exit(143)
+
+signal.signal(signal.SIGTERM, on_sigterm)
+print("training", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_interrupt_stops_a_checking_script_gracefully_and_a_plain_one_with_sigterm(
+    notebook, tmp_path
+):
+    kernel, where = notebook
+    write(where / "checks.py", CHECKS)
+    write(where / "plain.py", PLAIN)
+    out, reply, _ = interrupt_when(kernel, f"{TWO.replace('none', 'text')} checks.py", "training")
+    assert reply["status"] == "ok", out  # stopped gracefully: the script ended by itself
+    assert "the script saw the stop: True" in out and "stopped gracefully at step" in out
+    seen = tmp_path / "sigterm"
+    out, reply, _ = interrupt_when(kernel, f"{TWO} plain.py {seen}", "training")
+    assert reply["ename"] == "KeyboardInterrupt", out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sigterm0", "sigterm1"]
 
 
 @pytest.mark.parametrize(
