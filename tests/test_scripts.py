@@ -403,3 +403,32 @@ def test_the_verdict_says_when_a_scripts_ranks_trained_apart(tmp_path):
     )
     with pytest.warns(NbddpWarning, match="ranks trained independently"):
         assert nbddp.run_script(script, **TWO) == 0
+
+
+@pytest.mark.slow
+def test_a_scripts_own_classes_reach_its_spawned_dataloader_workers(tmp_path, capfd):
+    """A spawned worker imports the script as ``__mp_main__`` from its ``__file__``, as under
+    torchrun, and finds the script's ``Dataset`` there."""
+    script = write(
+        tmp_path / "loads.py",
+        """\
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+
+
+        class Squares(Dataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return torch.tensor(float(i * i))
+
+
+        if __name__ == "__main__":
+            loader = DataLoader(Squares(), batch_size=2, num_workers=1,
+                                multiprocessing_context="spawn")
+            print("batches", [b.tolist() for b in loader], flush=True)
+        """,
+    )
+    assert nbddp.run_script(script, **TWO) == 0
+    assert "batches [[0.0, 1.0], [4.0, 9.0]]" in capfd.readouterr().out
