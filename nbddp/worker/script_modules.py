@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib
 import os
+import site
 import sys
+import sysconfig
 from collections.abc import Iterable
 
 from nbddp.worker.preload import _library_roots, drop
@@ -46,20 +49,30 @@ _by_scripts: set[str] = set()  # the user's modules earlier script runs of this 
 
 def local_file(module: object, roots: tuple[str, ...]) -> str | None:
     """The real path of ``module``'s source when it is one of the user's own modules (not a
-    library's, not nbddp's, not an extension), else None."""
+    library's, not nbddp's, not an extension), else None. ``roots``: :func:`library_roots`."""
     path = getattr(module, "__file__", None)
     if not isinstance(path, str) or not os.path.isabs(path) or not path.endswith(_SOURCES):
         return None  # no file, an extension, or a made-up name (torch.ops says "_ops.py")
-    real = os.path.realpath(path)
-    if real.startswith(roots) or real.startswith(_PACKAGE):
+    if path.startswith(roots):  # most modules: no system call (a rank holds thousands)
         return None
-    return real
+    real = os.path.realpath(path)
+    return None if real.startswith(roots) else real
+
+
+@functools.cache
+def library_roots() -> tuple[str, ...]:
+    """The interpreter's libraries and nbddp's own package, as named and as resolved."""
+    roots = {*_library_roots(), _PACKAGE, os.path.realpath(_PACKAGE) + os.sep}
+    paths = sysconfig.get_paths()
+    named = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
+    roots.update(os.path.abspath(p) + os.sep for p in [*named, *site.getsitepackages()])
+    return tuple(sorted(roots))
 
 
 def forget_for(directory: str) -> list[str]:
     """Before a script whose ``sys.path[0]`` is ``directory`` runs: drop what it must import
     anew (see the module's docstring); the names dropped."""
-    roots = _library_roots()
+    roots = library_roots()
     started = _started_at()
     beside = _names_in(directory)
     stale = set(_by_scripts)
@@ -84,7 +97,7 @@ def forget_for(directory: str) -> list[str]:
 
 def remember_imports(before: Iterable[str]) -> None:
     """After a script run: the user's modules it imported, dropped before the next run."""
-    roots = _library_roots()
+    roots = library_roots()
     known = set(before)
     _by_scripts.update(
         name
