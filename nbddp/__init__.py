@@ -1,9 +1,9 @@
 """nbddp: run PyTorch DistributedDataParallel training from a Jupyter notebook.
 
-Kernel side: :func:`notebook_launch`, :func:`spawn` (``mp.spawn``'s shape), :class:`Run`,
-:func:`last_run`, :class:`Session`, :class:`RayCluster`, :class:`SlurmCluster`,
-:func:`set_cluster`, :func:`export`; detached runs: :func:`runs`, :class:`RunInfo`,
-:func:`attach`.
+Kernel side: :func:`notebook_launch`, :func:`spawn` (``mp.spawn``'s shape), :func:`run_script`
+(a torchrun script as it is), :class:`Run`, :func:`last_run`, :class:`Session`,
+:class:`RayCluster`, :class:`SlurmCluster`, :func:`set_cluster`, :func:`export`; detached runs:
+:func:`runs`, :class:`RunInfo`, :func:`attach`.
 Worker side (inside the launched function; each also works outside a launch as rank 0 of 1):
 :func:`rank`, :func:`local_rank`, :func:`world_size`, :func:`is_main`, :func:`device`,
 :func:`prepare_model`, :func:`prepare_loader`, :func:`unwrap`, :func:`print`, :func:`barrier`,
@@ -65,6 +65,7 @@ __all__ = [
     "progress",
     "rank",
     "restore",
+    "run_script",
     "runs",
     "set_cluster",
     "spawn",
@@ -85,11 +86,13 @@ if TYPE_CHECKING:
     from nbddp.exporting import export
     from nbddp.launch import notebook_launch, spawn
     from nbddp.run import Run, last_run
+    from nbddp.scripts import run_script
     from nbddp.sessions.session import Session
 
 _KERNEL_SIDE = {
     "notebook_launch": "launch",
     "spawn": "launch",
+    "run_script": "scripts",
     "export": "exporting",
     "Run": "run",
     "last_run": "run",
@@ -136,14 +139,18 @@ if _in_a_kernel():  # a launch will come: be ready for it (helper, launcher, ~30
 
 
 def load_ipython_extension(ipython: object) -> None:
-    """``%load_ext nbddp``: registers the ``%%ddp`` and ``%ddp_session`` magics."""
+    """``%load_ext nbddp``: registers the ``%%ddp``, ``%ddp_run`` and ``%ddp_session`` magics."""
+    from nbddp.notebook import run_magic
     from nbddp.notebook.magic import load_ipython_extension as load
 
     load(ipython)
+    run_magic.load(ipython)
 
 
 def unload_ipython_extension(ipython: object) -> None:
-    """``%unload_ext nbddp``: removes the ``%%ddp`` and ``%ddp_session`` magics."""
+    """``%unload_ext nbddp``: removes the ``%%ddp``, ``%ddp_run`` and ``%ddp_session`` magics."""
+    from nbddp.notebook import run_magic
     from nbddp.notebook.magic import unload_ipython_extension as unload
 
     unload(ipython)
+    run_magic.unload(ipython)

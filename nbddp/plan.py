@@ -62,11 +62,14 @@ class LaunchPlan:
     stop_grace: float = STOP_GRACE  # seconds a graceful stop may take
     detach: bool = False  # the ranks belong to a supervisor outside the kernel (detached/)
     batch: tuple[str, ...] = ()  # a detached run on Slurm: its batch job's sbatch options
+    processes: bool = False  # ranks are processes even with one (a script's: run_script)
 
     @property
     def in_kernel(self) -> bool:
         """One rank on this machine runs in the kernel itself: no worker process at all."""
-        return self.world_size == 1 and self.cluster is None and not self.detach
+        return (
+            self.world_size == 1 and self.cluster is None and not self.detach and not self.processes
+        )
 
 
 def job_spec(

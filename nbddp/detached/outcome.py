@@ -109,7 +109,7 @@ def _worker_error(parts: _WorkerParts) -> WorkerError:
             if original is not None or parts.remote_class is None
             else (import_class(parts.remote_class))
         )
-        return rank_raised(rank, exc_type, message, trace, original, remote, node, hint)
+        return rank_raised(rank, exc_type, message, trace, original, remote, node, hint, exitcode)
     error = WorkerError(
         rank,
         exitcode=exitcode,

@@ -107,6 +107,10 @@ class WorkerError(NbddpError, RuntimeError):
         where = f"rank {self.rank}" + (f" (on {self.node})" if self.node else "")
         if self.summary:
             head = self.summary
+        elif self.exc_type == "SystemExit" and self.exitcode is not None:  # a script's
+            given = self.exc_message
+            given = given if given.lstrip("-").isdigit() else repr(given)
+            head = f"{where} exited with code {self.exitcode} (sys.exit({given}))"
         elif self.exc_type is not None:
             head = f"{where} raised {self.exc_type}"
             if self.exc_message:

@@ -24,14 +24,16 @@ def rank_raised(
     remote_class: type | None = None,
     node: str | None = None,
     hint: str = "",
+    exitcode: int | None = None,
 ) -> WorkerError:
     """The error for a rank that raised: also an instance of the remote exception's class
     when that class is an ``Exception`` the kernel has (so ``except ValueError:`` around a
-    launch catches a rank's ValueError), a plain WorkerError otherwise."""
+    launch catches a rank's ValueError), a plain WorkerError otherwise. ``exitcode``: the
+    script's, when a script's rank raised (``worker/rank/scripts.py``)."""
     remote_class = type(original) if original is not None else remote_class
     combined = combined_class(remote_class) if remote_class is not None else None
     fields: dict[str, Any] = {"exc_type": exc_type, "exc_message": message, "hint": hint}
-    fields.update(remote_traceback=traceback, node=node)
+    fields.update(remote_traceback=traceback, node=node, exitcode=exitcode)
     error: WorkerError
     if combined is not None:
         try:

@@ -78,6 +78,7 @@ def raised(rank: int, report: ErrorReport, node: str | None = None) -> Failure:
         remote_class,
         node,
         report.hint,
+        report.exitcode,
     )
     return Failure(rank, report.time, error, "lost_peer" if lost_a_peer(report) else "raised")
 

@@ -31,6 +31,7 @@ from nbddp.recovery import STOP_GRACE
 from nbddp.rules.task_referee import restart_cause, restart_note, trigger
 from nbddp.run import Run, remember
 from nbddp.sessions.ranks import SessionRanks
+from nbddp.sessions.scripting import ScriptRuns
 from nbddp.sessions.shipping import without_names
 from nbddp.sessions.status import SessionStatus, session_status
 from nbddp.sessions.task import SessionTask
@@ -49,7 +50,7 @@ def set_current(session: Session | None) -> None:
     _current = session
 
 
-class Session:
+class Session(ScriptRuns):
     """Ranks that stay up between cells, each with a namespace of its own.
 
     ``session.run(fn, ...)`` has ``notebook_launch``'s semantics, and ``fn`` runs with the

@@ -108,6 +108,7 @@ class ErrorReport(NamedTuple):
     mro: tuple[str, ...]  # qualified names of the class and its bases, for type checks
     module: str  # the class's module, to rebuild the class in the kernel
     hint: str = ""  # nbddp's word on what to change (a GPU-only line on a CPU rank)
+    exitcode: int | None = None  # a script's exit code for it (sys.exit's, 1 for an exception)
 
 
 class Hello(NamedTuple):

@@ -566,3 +566,39 @@ def test_exit_handlers_run_on_every_node_after_a_launch_and_a_session(cluster, t
         session.run(write_at_exit, (closed,), display="none")
         assert not os.path.exists(f"{closed}.0")  # the ranks are still up
     assert os.path.exists(f"{closed}.0") and os.path.exists(f"{closed}.1")
+
+
+NODES_SCRIPT = """\
+import os, sys
+import psutil
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+total = torch.ones(1)
+dist.all_reduce(total)
+helper = psutil.Process(os.getppid()).ppid()
+with open(sys.argv[1] + os.environ["RANK"], "w") as f:
+    f.write(f"{os.environ['GROUP_RANK']} {total.item():.0f} {helper} {os.getcwd()}")
+if os.environ["RANK"] == "1":
+    sys.exit(int(sys.argv[2]))
+"""
+
+
+def test_a_script_runs_on_every_node_and_its_exit_code_names_the_node(
+    cluster, helpers, tmp_path, monkeypatch
+):
+    script = tmp_path / "nodes.py"
+    script.write_text(NODES_SCRIPT)
+    monkeypatch.chdir(tmp_path)  # the ranks' working directory: the kernel's
+    assert nbddp.run_script("nodes.py", [str(tmp_path / "seen"), "0"], **RAY) == 0
+    seen = [(tmp_path / f"seen{rank}").read_text().split() for rank in (0, 1)]
+    assert [(group, total, cwd) for group, total, _, cwd in seen] == [
+        ("0", "2", str(tmp_path)),
+        ("1", "2", str(tmp_path)),
+    ]
+    assert {int(helper) for _, _, helper, _ in seen} == set(helpers.values())  # one per node
+    with pytest.raises(WorkerError) as info:
+        nbddp.run_script("nodes.py", [str(tmp_path / "again"), "3"], **RAY)
+    assert (info.value.rank, info.value.exitcode, info.value.node) == (1, 3, NODE_IP)
+    assert f'File "{script}", line 13, in <module>' in info.value.remote_traceback

@@ -582,3 +582,43 @@ def test_slurms_signal_before_the_time_limit_stops_a_launch_gracefully(slurm, tm
     assert value[0][0] == value[1][0] >= 10 and value[0][1] and value[1][1]  # one step, both
     assert any("Slurm's signal before the time limit" in w for w in warned), warned
     assert again == 5
+
+
+def test_a_script_runs_on_both_nodes_and_its_exit_code_names_the_node(slurm, tmp_path):
+    """``run_script`` on the allocation: each node's rank runs the script (on the shared
+    file system) in the kernel's working directory; a rank's ``sys.exit(3)`` names its node."""
+    (tmp_path / "nodes.py").write_text(
+        textwrap.dedent(
+            """\
+            import os, sys
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            total = torch.ones(1)
+            dist.all_reduce(total)
+            with open(sys.argv[1] + os.environ["RANK"], "w") as f:
+                f.write(f"{os.environ['GROUP_RANK']} {total.item():.0f} {os.getcwd()}")
+            if os.environ["RANK"] == "1":
+                sys.exit(int(sys.argv[2]))
+            """
+        )
+    )
+    result, _ = run_kernel(
+        slurm,
+        tmp_path,
+        """
+        code = nbddp.run_script("nodes.py", ["seen", "0"], cluster="slurm", display="none")
+        seen = [open(f"seen{rank}").read() for rank in (0, 1)]
+        try:
+            nbddp.run_script("nodes.py", ["again", "3"], cluster="slurm", display="none")
+        except nbddp.WorkerError as exc:
+            failed = [exc.rank, exc.exitcode, exc.node, exc.remote_traceback]
+        print("RESULT " + json.dumps([code, seen, failed]))
+        """,
+    )
+    code, seen, (rank, exitcode, node, trace) = result
+    assert code == 0
+    assert seen == [f"0 2 {tmp_path}", f"1 2 {tmp_path}"]
+    assert (rank, exitcode, node) == (1, 3, "10.201.0.2")
+    assert f'File "{tmp_path / "nodes.py"}", line 11, in <module>' in trace

@@ -128,7 +128,7 @@ def _run(spec: JobSpec, rank: int, conn: Connection, joined: threading.Event) ->
     flush_output()
     if ended.failure is not None:
         conn.send(Failed(rank, ended.failure))
-        return 1
+        return ended.failure.exitcode or 1  # a script's own code, else 1
     check = sync_check.report() if checked else None
     if check is not None:
         conn.send(Trained(rank, check))

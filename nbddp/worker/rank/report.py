@@ -17,6 +17,15 @@ from nbddp.wire.frames import Connection
 from nbddp.wire.messages import Bars, BarSnapshot, Block, ErrorReport, MainRows, Rows
 from nbddp.worker import PACKAGE_DIR
 
+_exit: tuple[BaseException, int] | None = None  # the exit code a script's failure has
+
+
+def note_exit(exc: BaseException, code: int) -> None:
+    """``exc`` ends a script with exit code ``code`` (``worker/rank/scripts.py``): its report says
+    so. A function's failure has none of its own."""
+    global _exit
+    _exit = (exc, code)
+
 
 def error_report(exc: BaseException) -> ErrorReport:
     try:
@@ -33,6 +42,7 @@ def error_report(exc: BaseException) -> ErrorReport:
         mro=tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__),
         module=cls.__module__,
         hint=hint_for(exc),
+        exitcode=_exit[1] if _exit is not None and _exit[0] is exc else None,
     )
 
 

@@ -1,0 +1,126 @@
+# Vendored from github.com/pytorch/examples, distributed/ddp-tutorial-series/multigpu_torchrun.py
+# (commit 77f55b912142e11fcfdf5b530231fb9c52f181e8; BSD 3-Clause License, Copyright (c) 2017,
+# Pytorch contributors). nbddp's tests run it with nbddp.run_script, as torchrun would.
+# Changed, so that it also runs on the CPU with gloo (each change is marked "nbddp:"):
+#   - ddp_setup: torch.cuda.set_device only where CUDA is; backend "gloo" without CUDA
+#   - the model, batches and snapshot go to cuda:LOCAL_RANK where CUDA is, else the CPU;
+#     DDP's device_ids only on CUDA; pin_memory only with CUDA
+#   - FAIL_ONCE (a path, set by the test): rank 1 fails once, in epoch 2 after its first batch,
+#     and leaves that file behind, to show the snapshot resume after a max_restarts restart
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, DataLoader
+from datautils import MyTrainDataset
+
+import torch.multiprocessing as mp
+from torch.utils.data.distributed import DistributedSampler
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed import init_process_group, destroy_process_group
+import os
+
+
+def ddp_setup():
+    if torch.cuda.is_available():  # nbddp: CUDA only where it is
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")  # nbddp: gloo
+
+class Trainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_data: DataLoader,
+        optimizer: torch.optim.Optimizer,
+        save_every: int,
+        snapshot_path: str,
+    ) -> None:
+        self.gpu_id = int(os.environ["LOCAL_RANK"])
+        self.device = self.gpu_id if torch.cuda.is_available() else "cpu"  # nbddp: or the CPU
+        self.model = model.to(self.device)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.epochs_run = 0
+        self.snapshot_path = snapshot_path
+        if os.path.exists(snapshot_path):
+            print("Loading snapshot")
+            self._load_snapshot(snapshot_path)
+
+        self.model = DDP(self.model, device_ids=[self.gpu_id] if torch.cuda.is_available() else None)  # nbddp
+
+    def _load_snapshot(self, snapshot_path):
+        loc = f"cuda:{self.gpu_id}" if torch.cuda.is_available() else "cpu"  # nbddp: or the CPU
+        snapshot = torch.load(snapshot_path, map_location=loc)
+        self.model.load_state_dict(snapshot["MODEL_STATE"])
+        self.epochs_run = snapshot["EPOCHS_RUN"]
+        print(f"Resuming training from snapshot at Epoch {self.epochs_run}")
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad()
+        output = self.model(source)
+        loss = F.cross_entropy(output, targets)
+        loss.backward()
+        self.optimizer.step()
+
+    def _run_epoch(self, epoch):
+        b_sz = len(next(iter(self.train_data))[0])
+        print(f"[GPU{self.gpu_id}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}")
+        self.train_data.sampler.set_epoch(epoch)
+        for source, targets in self.train_data:
+            source = source.to(self.device)  # nbddp: self.device
+            targets = targets.to(self.device)  # nbddp: self.device
+            self._run_batch(source, targets)
+            fail_once = os.environ.get("FAIL_ONCE")  # nbddp: the test's failure, once
+            if fail_once and epoch == 2 and int(os.environ["RANK"]) == 1 and not os.path.exists(fail_once):
+                open(fail_once, "w").close()
+                raise RuntimeError("rank 1 fails once, in epoch 2 (FAIL_ONCE)")
+
+    def _save_snapshot(self, epoch):
+        snapshot = {
+            "MODEL_STATE": self.model.module.state_dict(),
+            "EPOCHS_RUN": epoch,
+        }
+        torch.save(snapshot, self.snapshot_path)
+        print(f"Epoch {epoch} | Training snapshot saved at {self.snapshot_path}")
+
+    def train(self, max_epochs: int):
+        for epoch in range(self.epochs_run, max_epochs):
+            self._run_epoch(epoch)
+            if self.gpu_id == 0 and epoch % self.save_every == 0:
+                self._save_snapshot(epoch)
+
+
+def load_train_objs():
+    train_set = MyTrainDataset(2048)  # load your dataset
+    model = torch.nn.Linear(20, 1)  # load your model
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    return train_set, model, optimizer
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int):
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        pin_memory=torch.cuda.is_available(),  # nbddp: pinned only for CUDA
+        shuffle=False,
+        sampler=DistributedSampler(dataset)
+    )
+
+
+def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str = "snapshot.pt"):
+    ddp_setup()
+    dataset, model, optimizer = load_train_objs()
+    train_data = prepare_dataloader(dataset, batch_size)
+    trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path)
+    trainer.train(total_epochs)
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description='simple distributed training job')
+    parser.add_argument('total_epochs', type=int, help='Total epochs to train the model')
+    parser.add_argument('save_every', type=int, help='How often to save a snapshot')
+    parser.add_argument('--batch_size', default=32, type=int, help='Input batch size on each device (default: 32)')
+    args = parser.parse_args()
+
+    main(args.save_every, args.total_epochs, args.batch_size)
