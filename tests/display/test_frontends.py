@@ -247,6 +247,9 @@ def test_a_blocking_run_follows_the_rules_and_needs_no_comm(notebook):
     assert not [m for m in messages if m["msg_type"].startswith("comm_")]
     panels = [m for m in messages if "nbddp-panel" in str(m["content"].get("transient"))]
     assert panels[0]["msg_type"] == "display_data" and len(panels) >= 2
+    texts = [m["content"]["data"]["text/plain"] for m in panels]
+    assert all(text.startswith("nbddp run ") for text in texts if text)  # each draw's text
+    assert any("loss" in text and "rank 0 output:\nstep 0" in text for text in texts), texts
 
 
 def test_a_ranks_pdb_asks_one_prompt_per_input_request(notebook):
@@ -291,9 +294,6 @@ def test_a_background_run_is_stopped_from_a_later_cell_with_no_comm_message(note
         "nbddp.notebook_launch(slow, num_workers=2, device='cpu', block=False)", messages=messages
     )
     assert reply["status"] == "ok", out
-    first = next(m for m in messages if m["msg_type"] == "display_data")["content"]["data"]
-    assert "nbddp.last_run().stop()" in first["text/plain"]
-    assert "nbddp.last_run().stop()" in first["text/html"]
     deadline = time.monotonic() + 120
     while True:  # later cells run while it trains, as a person's would
         out, reply = notebook.run("print(len(nbddp.last_run().history), end='')")
@@ -310,6 +310,9 @@ def test_a_background_run_is_stopped_from_a_later_cell_with_no_comm_message(note
     )
     assert reply["status"] == "ok", out
     assert out.splitlines() == ["stopped 'stopped at a step'", "True"], out
+    first = next(m for m in messages if m["msg_type"] == "display_data")["content"]["data"]
+    assert "nbddp.last_run().stop()" in first["text/plain"]  # what the panel says to do
+    assert "nbddp.last_run().stop()" in first["text/html"]
 
     notebook.run("run = nbddp.notebook_launch(slow, num_workers=2, device='cpu', block=False)")
     out, reply = notebook.run("run.stop()\nprint(run.status)")  # at once, the other way
