@@ -112,7 +112,7 @@ def make_plan(
         backend=resolved_backend,
         gpus=rank_gpus,
         timeout=float(timeout) if timeout is not None else None,
-        display=display,  # type: ignore[arg-type]
+        display=chosen_display(display),  # type: ignore[arg-type]
         output=output,  # type: ignore[arg-type]
         return_all=return_all,
         block=block and not detach,  # a detached launch never waits
@@ -147,7 +147,7 @@ def with_run_options(
     return dataclasses.replace(
         plan,
         timeout=float(timeout) if timeout is not None else None,
-        display=display,  # type: ignore[arg-type]
+        display=chosen_display(display),  # type: ignore[arg-type]
         output=output,  # type: ignore[arg-type]
         return_all=return_all,
         block=block,
@@ -155,6 +155,21 @@ def with_run_options(
         debug=debug,
         stop_grace=check_stop_grace(stop_grace),
     )
+
+
+def chosen_display(display: str) -> str:
+    """``display="auto"`` is what ``NBDDP_DISPLAY`` in the kernel's environment names, if it
+    names one (a live text view in jupyter console: ``NBDDP_DISPLAY=text``)."""
+    chosen = os.environ.get("NBDDP_DISPLAY", "").strip()
+    if display != "auto" or not chosen:
+        return display
+    if chosen not in DISPLAYS:
+        raise ValueError(
+            f"NBDDP_DISPLAY={chosen!r} in the kernel's environment is not one of "
+            f"{_choices(DISPLAYS)}: it sets the default of display=. Set one of those, or unset "
+            "it (os.environ.pop('NBDDP_DISPLAY') in the notebook)."
+        )
+    return chosen
 
 
 def _check_run_options(
@@ -167,6 +182,7 @@ def _check_run_options(
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None.")
     if display not in DISPLAYS:
         raise ValueError(f"display={display!r} is not one of {_choices(DISPLAYS)}.")
+    chosen_display(display)
     if output not in OUTPUTS:
         raise ValueError(f"output={output!r} is not one of {_choices(OUTPUTS)}.")
     for name, value in (("return_all", return_all), ("block", block), ("debug", debug)):

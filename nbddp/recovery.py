@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 KEEP = 2  # complete checkpoints kept by default
@@ -59,16 +60,44 @@ def default_checkpoint_dir(name: str) -> str:
     return os.path.join(os.getcwd(), CHECKPOINTS, safe or "main")
 
 
-def stopped_gracefully(step: int, where: str, why: str, saved: tuple[int, str] | None) -> str:
-    """The warning of a run that stopped gracefully: where, by what, and what it saved."""
+# A library's own checkpoint, and how its next run resumes from it (the stop's warning).
+RESUMES = {
+    "the Hugging Face Trainer": "trainer.train(resume_from_checkpoint=True) resumes it",
+    "Lightning": "trainer.fit(..., ckpt_path=<the path>) resumes it",
+    "Accelerate": "accelerator.load_state(<the path>) resumes it",
+}
+
+Saved = tuple[int, str, str]  # (step, path, by): "" by is nbddp.checkpoint
+
+
+def stopped_gracefully(step: int, where: str, why: str, saved: Sequence[Saved]) -> str:
+    """The warning of a run that stopped gracefully: where, by what, and what was saved after
+    the stop, whoever saved it (``nbddp.checkpoint``, or a trainer's own checkpoint)."""
     text = f"the run stopped gracefully at step {step} ({where}) on every rank, asked by {why}"
     text += "; the result is what the function returned then."
-    if saved is not None:
-        return text + f" Its checkpoint of step {saved[0]} is in {saved[1]}."
-    return text + (
-        " It saved no checkpoint after the stop (nbddp.checkpoint), so a next run starts "
-        "from its last one, if any."
-    )
+    if not saved:
+        return text + (
+            " Nothing was saved after the stop (no nbddp.checkpoint, no trainer's own "
+            "checkpoint), so a next run starts from its last checkpoint, if any."
+        )
+    ours = [(at, path) for at, path, by in saved if not by]
+    if ours:  # the last: the one nbddp.restore loads
+        text += f" Its checkpoint of step {ours[-1][0]} is in {ours[-1][1]}."
+    theirs: dict[str, dict[str, int]] = {}  # each library's checkpoints: {path: step}, in order
+    for at, path, by in saved:
+        if by:
+            theirs.setdefault(by, {})[path] = at
+    for by, paths in theirs.items():
+        steps = set(paths.values())
+        of_step = f" of step {steps.pop()}" if len(steps) == 1 and min(paths.values()) >= 0 else ""
+        places = " and ".join(
+            path if of_step or at < 0 else f"{path} (step {at})" for path, at in paths.items()
+        )
+        plural = "s" if len(paths) > 1 else ""
+        text += f" {by[0].upper()}{by[1:]} saved its own checkpoint{plural}{of_step} in {places}"
+        resume = RESUMES.get(by)
+        text += f" ({resume})." if resume else "."
+    return text
 
 
 def exported_recovery(checkpoint_dir: Any, max_restarts: Any, name: str) -> dict[str, Any]:

@@ -71,6 +71,7 @@ ALLOWED = {
         "interrupts",
         "local",
         "plan",
+        "planning",  # attach()'s display option, as a launch reads it
         "ranks",
         "run",
         "supervised",

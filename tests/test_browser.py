@@ -305,6 +305,21 @@ def test_live_panel_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
         page.wait_for_selector(".nbddp-summary", timeout=60_000)  # the static summary
         summary = page.inner_text(".nbddp-summary")
         assert "done" in summary and "epoch 1 done" in summary
+        _shown_once(page, "epoch 1 done")
+
+
+def _shown_once(page: Any, line: str) -> None:
+    """The ended run shows its summary once: the panel's output, updated in place; the output
+    a text-only frontend reads at the end (``panel.py``) draws nothing here."""
+    assert page.locator(".nbddp-summary").count() == 1
+    assert page.locator(".nbddp-panel").count() == 0
+    assert page.inner_text(".jp-Cell-outputArea").count(line) == 1
+    heights = page.eval_on_selector_all(
+        ".jp-Cell-outputArea .jp-OutputArea-child",
+        "children => children.filter(c => !c.innerText.trim())"
+        ".map(c => c.getBoundingClientRect().height)",
+    )
+    assert heights and all(height < 1 for height in heights), heights  # drawn as nothing
 
 
 @pytest.mark.slow

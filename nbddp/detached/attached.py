@@ -30,6 +30,7 @@ from nbddp.detached.replay import apply, replay, write_quietly
 from nbddp.display.terminal import CellStream
 from nbddp.errors import NbddpError
 from nbddp.plan import DISPLAYS, LaunchPlan
+from nbddp.planning import chosen_display
 from nbddp.run import Run, remember
 from nbddp.wire.frames import Connection
 from nbddp.wire.stacks import AskStacks
@@ -270,7 +271,7 @@ def attach(run_id: str, *, display: str = "auto") -> Run:
         world_size=int(info.get("world_size", 1)),
         device="cuda" if device == "cuda" else "cpu",
         backend="nccl" if info.get("backend") == "nccl" else "gloo",
-        display=display,  # type: ignore[arg-type]
+        display=chosen_display(display),  # type: ignore[arg-type]
         output=info.get("output", "rank0"),
         block=False,
         stall_after=info.get("stall_after"),

@@ -1,5 +1,6 @@
 """What the user sees of a run: one state model (``state.py``), two renderers (``panel.py``,
-an HTML output updated in place, for notebooks; ``text.py`` elsewhere), and
+an HTML output updated in place, for Jupyter notebooks, and ``marimo_panel.py``, the same HTML
+in a marimo notebook; ``text.py`` elsewhere), and
 :class:`LiveDisplay`, which renders a snapshot of the state whenever it changed, at most
 ``MAX_RATE`` times a second (or the view's own ``max_rate``), and once more at the end.
 
@@ -32,9 +33,14 @@ class View(Protocol):
 
 
 def resolve_mode(mode: str) -> str:
-    """'auto' is the live panel inside a Jupyter kernel, text elsewhere."""
+    """'auto' is the live panel inside a Jupyter kernel or a marimo notebook, text elsewhere
+    (the plan has already put ``NBDDP_DISPLAY``'s choice in place of 'auto')."""
     if mode != "auto":
         return mode
+    from nbddp.display.marimo_panel import in_marimo
+
+    if in_marimo():
+        return "widget"
     try:
         from IPython import get_ipython
 
@@ -42,6 +48,22 @@ def resolve_mode(mode: str) -> str:
     except ImportError:
         return "text"
     return "widget" if getattr(shell, "kernel", None) is not None else "text"
+
+
+def _panel(
+    first: RunSnapshot,
+    stop: Callable[[], object] | None,
+    blocking: bool,
+    where: Callable[[], object] | None,
+) -> View:
+    """The live panel where this runs: a Jupyter kernel's, or a marimo notebook's."""
+    from nbddp.display.marimo_panel import MarimoPanel, in_marimo
+
+    if in_marimo():
+        return MarimoPanel(first, blocking)
+    from nbddp.display.panel import PanelView
+
+    return PanelView(first, stop, blocking, where)
 
 
 class LiveDisplay:
@@ -61,10 +83,8 @@ class LiveDisplay:
         self._failed: View | None = None
         if self.mode == "widget":
             try:
-                from nbddp.display.panel import PanelView
-
-                self._view = PanelView(state.snapshot(), stop, blocking, where)
-            except Exception:  # not in a Jupyter kernel: text is always possible
+                self._view = _panel(state.snapshot(), stop, blocking, where)
+            except Exception:  # in no notebook: text is always possible
                 self.mode = "text"
         if self.mode == "text":
             self._view = TextView()
@@ -72,8 +92,13 @@ class LiveDisplay:
         self._rendered = -1
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        # A view whose frontend takes output from its own threads only (marimo) is also
+        # finished on the loop's thread, not on the one that ends the run.
+        self._finishes_in_loop = bool(getattr(self._view, "own_thread", False))
         if self._view is not None:
-            self._thread = threading.Thread(target=self._loop, name="nbddp-display", daemon=True)
+            make = getattr(self._view, "thread", threading.Thread)
+            self._thread = make(target=self._loop, name="nbddp-display")
+            self._thread.daemon = True
             self._thread.start()
 
     def _loop(self) -> None:
@@ -82,11 +107,13 @@ class LiveDisplay:
             with state.changed:
                 state.changed.wait_for(self._due, timeout=1.0)  # at least 1/s: elapsed time
                 if self._closing:
-                    return
+                    break
                 self._rendered = state.version
             self._render(state.snapshot())
             rate = getattr(self._view, "max_rate", MAX_RATE)
             self._closed.wait(1.0 / rate)  # the throttle, cut short by close()
+        if self._finishes_in_loop:
+            self._finish(state.snapshot(final=True))
 
     def _due(self) -> bool:
         return self.state.version != self._rendered or self._closing
@@ -124,7 +151,10 @@ class LiveDisplay:
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        final = self.state.snapshot(final=True)
+        if not self._finishes_in_loop:
+            self._finish(self.state.snapshot(final=True))
+
+    def _finish(self, final: RunSnapshot) -> None:
         if self._failed is not None:  # best effort: replace the stale panel by the summary
             with contextlib.suppress(Exception):
                 self._failed.finish(final)

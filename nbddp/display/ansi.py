@@ -110,3 +110,8 @@ def to_html(text: str) -> str:
     if opened:
         out.append("</span>")
     return "".join(out)
+
+
+def to_text(text: str) -> str:
+    """The text without its escape sequences, as a reader of plain text wants it."""
+    return _ESCAPE.sub("", text) if "\x1b" in text else text

@@ -1,5 +1,5 @@
 """The live panel in a notebook: one HTML output, updated in place by its display id, turned
-into the static summary when the run ends.
+into the static summary when the run ends. Its ``text/plain`` carries the same (``plain.py``).
 
 An HTML output updated by ``update_display_data`` is what every Jupyter frontend renders:
 JupyterLab and Notebook with or without the widgets extension, VS Code, Colab, Kaggle, and a
@@ -11,7 +11,16 @@ Widgets are used only for what HTML cannot do, and only where they can work: a b
 (``block=False``) gets a Stop button and a Where? button (``run.stacks()``'s roll-call, shown in
 the panel), when ipywidgets is installed, below the panel, and blanked when the run ends; the
 panel also says ``run.stop()`` and ``run.stacks()`` for frontends without widgets. A blocking
-run has no button: the cell is busy, the kernel's interrupt (■) stops it.
+run has no button: the cell is busy, the kernel's interrupt (■) stops it. Nothing the panel
+needs travels by comm: where a click cannot reach the kernel (Colab's outputs of an earlier
+cell), ``run.stop()`` or ``nbddp.last_run().stop()`` in any cell stops the run.
+
+A frontend that reads only ``text/plain`` and ignores display updates (jupyter console,
+jupyter_client's ``execute_interactive``) sees the panel's first draw only. So the run's end
+adds one output for it: its HTML is empty (a rich frontend draws nothing) and its text is the
+summary's; an update then empties it, so that a rich frontend, and the notebook it saves, keep
+one summary, the panel's, where it was. A reader of updates never sees the summary twice; a
+reader of no updates sees it once, at the end.
 """
 
 from __future__ import annotations
@@ -22,10 +31,12 @@ from collections.abc import Callable
 from typing import Any
 
 from nbddp.display.html import panel_html, summary_html
+from nbddp.display.plain import panel_text
 from nbddp.display.rich import CellPublisher
 from nbddp.display.state import RunSnapshot
 
 MAX_RATE = 5.0  # renders per second: each sends the whole panel (tens of kB at most)
+_BLANK = {"text/html": "", "text/plain": ""}  # an output emptied: nothing to draw or to read
 
 
 class PanelView:
@@ -44,7 +55,8 @@ class PanelView:
         self._hint = (
             "stop: the kernel's interrupt button (■)"
             if blocking
-            else "stop: run.stop() · where each rank is: run.stacks()"
+            else "stop: run.stop() or nbddp.last_run().stop() in any cell · where each rank is: "
+            "run.stacks()"
         )
         self._id = f"nbddp-panel-{uuid.uuid4().hex}"
         self._last = ""
@@ -56,7 +68,7 @@ class PanelView:
     def _bundle(self, s: RunSnapshot) -> dict[str, Any]:
         markup = panel_html(s, self._hint)
         self._last = markup
-        return {"text/html": markup, "text/plain": _plain(s)}
+        return {"text/html": markup, "text/plain": panel_text(s, self._hint)}
 
     def render(self, s: RunSnapshot) -> None:
         markup = panel_html(s, self._hint)
@@ -65,9 +77,13 @@ class PanelView:
         self._cell.publish(self._bundle(s), transient={"display_id": self._id}, update=True)
 
     def finish(self, s: RunSnapshot) -> None:
+        summary = panel_text(s)
         try:
+            for_text_readers = {"display_id": f"{self._id}-text"}
+            self._cell.publish({"text/html": "", "text/plain": summary}, transient=for_text_readers)
+            self._cell.publish(_BLANK, transient=for_text_readers, update=True)
             self._cell.publish(
-                {"text/html": summary_html(s), "text/plain": _plain(s)},
+                {"text/html": summary_html(s), "text/plain": summary},
                 transient={"display_id": self._id},
                 update=True,
             )
@@ -109,7 +125,7 @@ class _StopButton:
 
     def finish(self) -> None:
         try:
-            self._cell.publish({"text/plain": ""}, transient={"display_id": self._id}, update=True)
+            self._cell.publish(_BLANK, transient={"display_id": self._id}, update=True)
         finally:
             for widget in (*self._buttons, self._widget):
                 widget.close()
@@ -122,12 +138,3 @@ def _stop_button(
         return _StopButton(stop, cell, where)
     except Exception:  # no ipywidgets: the panel's hint says run.stop()
         return None
-
-
-def _plain(s: RunSnapshot) -> str:
-    line = f"nbddp run {s.status} in {s.elapsed:.1f} s"
-    if s.error_line:
-        line += f": {s.error_line}"
-    if s.output_file:
-        line += f"\nall of rank 0's output: {s.output_file}"
-    return line

@@ -30,7 +30,7 @@ from nbddp.errors import LaunchTimeout
 from nbddp.errors.remote import rank_raised
 from nbddp.local.kernel_world import single_rank_world
 from nbddp.plan import LaunchPlan
-from nbddp.recovery import stopped_gracefully
+from nbddp.recovery import Saved, stopped_gracefully
 from nbddp.wire import payload
 from nbddp.wire.stacks import AskStacks, StackReport
 from nbddp.worker import live
@@ -86,7 +86,7 @@ class InKernel:
         self._agreement: stopping.Agreement | None = None
         self._why: str | None = None  # by what a graceful stop was asked
         self._landed: tuple[int, str] | None = None  # (step, what checked) where it landed
-        self._saved: tuple[int, str] | None = None  # the last checkpoint after the ask
+        self._saved: list[Saved] = []  # the checkpoints after the ask, whoever saved them
 
     def start(self, events: RunEvents, finish: Finish) -> None:
         self._events = events
@@ -266,11 +266,13 @@ class InKernel:
     def _stopped_at(self, step: int, where: str) -> None:
         self._landed = (step, where)
 
-    def _checkpointed(self, step: int, path: str, seconds: float, restored: bool) -> None:
-        if self._events is not None:
+    def _checkpointed(
+        self, step: int, path: str, seconds: float, restored: bool, by: str = ""
+    ) -> None:
+        if self._events is not None and not by:
             self._events.checkpointed(step, path, seconds, restored)
         if self._why is not None and not restored:
-            self._saved = (step, path)
+            self._saved.append((step, path, by))
 
     @contextlib.contextmanager
     def _first_interrupt_graceful(self) -> Iterator[None]:

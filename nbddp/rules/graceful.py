@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbddp.backend import RunEvents
-from nbddp.recovery import stopped_gracefully
+from nbddp.recovery import Saved, stopped_gracefully
 from nbddp.wire.stopping import Checkpointed, Checks, StopAsked, StopAt, StoppedAt, StopRequested
 
 ANSWER = 5.0  # seconds every rank's listener has to answer StopAsked
@@ -51,7 +51,7 @@ class GracefulStop:
         self.agreed: int | None = None
         self._refused = ""  # why it cannot be graceful
         self.landed: tuple[int, str] | None = None  # rank 0's (step, what checked)
-        self.saved: tuple[int, str] | None = None  # rank 0's last checkpoint after the ask
+        self.saved: list[Saved] = []  # rank 0's checkpoints after the ask, whoever saved them
 
     def request(self, why: str) -> None:
         """Ask for it (any thread; the caller wakes the loop). The first ask counts."""
@@ -89,11 +89,12 @@ class GracefulStop:
                 self.request(why)
             case StoppedAt(step=step, where=where):
                 self.stopped_at(rank, step, where)
-            case Checkpointed(step=step, path=path, seconds=seconds, restored=restored):
+            case Checkpointed(step=step, path=path, seconds=seconds, restored=restored, by=by):
                 if rank == 0:
-                    self._events.checkpointed(step, path, seconds, restored)
+                    if not by:  # the panel's line is the run's checkpoint directory's
+                        self._events.checkpointed(step, path, seconds, restored)
                     if not restored:
-                        self.checkpointed(step, path)
+                        self.checkpointed(step, path, by)
             case _:
                 return False
         return True
@@ -135,9 +136,9 @@ class GracefulStop:
         if rank == 0:
             self.landed = (step, where)
 
-    def checkpointed(self, step: int, path: str) -> None:
+    def checkpointed(self, step: int, path: str, by: str = "") -> None:
         if self.why is not None:
-            self.saved = (step, path)
+            self.saved.append((step, path, by))
 
     def at_once(self) -> str | None:
         """Why the run must now end at once instead (e.g. "rank 1 had not checked ..."),

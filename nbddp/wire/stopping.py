@@ -15,8 +15,9 @@ The agreement, in messages (``worker/recovery/stopping.py`` says why it is safe)
     StopRequested(rank, why)      rank -> kernel: a signal asked this rank for a graceful stop
                                   (Slurm's before the time limit: ``--signal=USR1@T``)
 
-    Checkpointed(rank, step, path, seconds, restored)   rank 0 -> kernel: a complete
-                                  checkpoint (``restored``: the one ``restore`` loaded)
+    Checkpointed(rank, step, path, seconds, restored, by)   rank 0 -> kernel: a complete
+                                  checkpoint (``restored``: the one ``restore`` loaded); ``by``
+                                  names the library that saved it ("": ``nbddp.checkpoint``)
 """
 
 from __future__ import annotations
@@ -54,3 +55,4 @@ class Checkpointed(NamedTuple):
     path: str
     seconds: float
     restored: bool = False
+    by: str = ""  # a library's own save ("the Hugging Face Trainer"...): "" nbddp.checkpoint

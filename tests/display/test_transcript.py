@@ -12,7 +12,7 @@ import pytest
 from nbclient import NotebookClient
 
 from nbddp.display.html import summary_html
-from nbddp.display.panel import _plain
+from nbddp.display.plain import panel_text
 from nbddp.display.state import RunState
 from nbddp.display.transcript import LOG_DIRECTORY, Transcript
 
@@ -106,7 +106,7 @@ def test_the_saved_summary_shows_both_ends_and_links_the_whole_log(tmp_path, mon
     assert "line 4\n" not in page and "4 lines not shown here" in page
     link = os.path.join(LOG_DIRECTORY, os.path.basename(final.output_file))
     assert f'<a href="{link}"' in page
-    assert final.output_file in _plain(final)
+    assert final.output_file in panel_text(final)
 
 
 def chatty_notebook(count: int) -> nbformat.NotebookNode:

@@ -75,6 +75,48 @@ def test_the_agreed_step_is_one_past_the_largest_count_and_the_value_is_the_resu
     assert "asked by the Stop button" in outcome.graceful and "/ck/step-43" in outcome.graceful
 
 
+def stopped_after(*saves: Checkpointed) -> tuple[str, list]:
+    """The warning of a 2-rank run stopped gracefully at step 23, after rank 0 said ``saves``;
+    and the panel's calls."""
+    judge, _, events = running(Clock())
+    judge.stop_gracefully("run.stop(graceful=True)")
+    judge.verdict()
+    for rank in (0, 1):
+        judge.event(Received(rank, Checks(rank, 22), []))
+    judge.verdict()
+    judge.event(Received(0, StoppedAt(0, 23, "the Hugging Face Trainer"), []))
+    for save in saves:
+        judge.event(Received(save.rank, save, []))
+    ends(judge)
+    outcome = judge.verdict()
+    assert outcome.status == "stopped"
+    return outcome.graceful, [call for call in events.calls if call[0] == "checkpointed"]
+
+
+def test_the_stops_warning_names_a_trainers_own_checkpoint_and_how_it_resumes():
+    hf = Checkpointed(0, 23, "/out/checkpoint-23", 0.0, by="the Hugging Face Trainer")
+    said, panel = stopped_after(hf, hf._replace(rank=1, path="/elsewhere"))
+    assert said.endswith(
+        " The Hugging Face Trainer saved its own checkpoint of step 23 in /out/checkpoint-23 "
+        "(trainer.train(resume_from_checkpoint=True) resumes it)."
+    )
+    assert "/elsewhere" not in said and "Nothing was saved" not in said
+    assert panel == []  # the panel's checkpoint line is the run's own directory's
+
+    ours = Checkpointed(0, 23, "/ck/step-23", 0.5)
+    said, panel = stopped_after(hf, ours, Checkpointed(0, -1, "/acc", 0.0, by="Accelerate"))
+    assert "Its checkpoint of step 23 is in /ck/step-23." in said and "checkpoint-23 (" in said
+    assert " Accelerate saved its own checkpoint in /acc (accelerator.load_state(<" in said
+    assert panel == [("checkpointed", (23, "/ck/step-23", 0.5, False))]
+
+
+def test_the_stops_warning_says_nothing_was_saved_only_when_nothing_was():
+    said, _ = stopped_after()
+    assert "Nothing was saved after the stop" in said
+    restored = Checkpointed(0, 7, "/ck/step-7", 0.1, restored=True)  # loaded, not saved
+    assert "Nothing was saved after the stop" in stopped_after(restored)[0]
+
+
 @pytest.mark.parametrize(
     ("why", "answers", "waited", "said"),
     [

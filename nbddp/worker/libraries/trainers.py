@@ -42,6 +42,7 @@ from typing import Any
 
 from nbddp.worker import context, live
 from nbddp.worker.diagnosis import sync_check
+from nbddp.worker.libraries import saves
 from nbddp.worker.recovery import stopping
 
 
@@ -95,6 +96,9 @@ def patch_transformers(module: ModuleType) -> None:
             if stopping.check(int(state.global_step), "the Hugging Face Trainer"):
                 control.should_training_stop = True
                 control.should_save = True
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            saves.hf_trainer_saved(args, state)  # named by a graceful stop's warning
 
         def on_log(
             self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
@@ -167,6 +171,7 @@ def patch_lightning(module: ModuleType) -> None:
             # rich would draw its last frame only: tqdm's becomes a live panel bar instead
             self.callbacks[self.callbacks.index(bar)] = callbacks.TQDMProgressBar()
 
+    saves.tell_lightnings_saves(trainer)
     _after(trainer, "__init__", install)
 
 
@@ -218,6 +223,7 @@ def patch_accelerate(module: ModuleType) -> None:
         if not any(isinstance(t, NbddpTracker) for t in self.trackers):
             self.trackers.append(NbddpTracker())
 
+    saves.tell_accelerates_saves(accelerator, lambda: bool(_own_loops))
     _after(accelerator, "__init__", add_tracker)
     _after(accelerator, "init_trackers", add_tracker)  # older versions start a new list there
 

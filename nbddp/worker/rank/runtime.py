@@ -189,8 +189,10 @@ class RankProcess:
         the kernel told of each one."""
         return Checkpoints(self._checkpoint_dir, self.spec.keep, self._checkpointed)
 
-    def _checkpointed(self, step: int, path: str, seconds: float, restored: bool) -> None:
-        self.conn.send(Checkpointed(self.rank, step, path, seconds, restored))
+    def _checkpointed(
+        self, step: int, path: str, seconds: float, restored: bool, by: str = ""
+    ) -> None:
+        self.conn.send(Checkpointed(self.rank, step, path, seconds, restored, by))
 
     def _signalled(self) -> None:
         self.conn.send(StopRequested(self.rank, stopping.SIGNALLED))

@@ -38,13 +38,15 @@ COMPLETE = "nbddp.json"  # written last into a checkpoint, before its rename
 PARTIAL = ".partial-"
 ROOT = "nbddp-checkpoints"  # the default parent, in the working directory
 
-# (step, path, seconds, restored): a complete checkpoint saved, or the one restore loaded
-Notify = Callable[[int, str, float, bool], None]
+# (step, path, seconds, restored, by): a complete checkpoint saved (``by``: the library whose
+# own save it is, "" for ours), or the one restore loaded
+Notify = Callable[[int, str, float, bool, str], None]
 
 _directory: str | None = None
 _keep = 2
 _notify: Notify | None = None
 _saves = itertools.count()  # this process's saves: the same sequence on every rank
+_inside = False  # checkpoint() runs: a library's save it calls (save_state) is part of ours
 
 
 Config = tuple[str | None, int, Notify | None]
@@ -108,12 +110,17 @@ def checkpoint(state: Mapping[str, Any], *, step: int) -> str:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict_saver import save
 
+    global _inside
     started = time.monotonic()
     entries = state_dicts.entries(state, loading=False)
     root = directory()
     partial = os.path.join(root, _partial_name(step))
     os.makedirs(partial, exist_ok=True)
-    saved = state_dicts.to_save(entries, partial)
+    _inside = True
+    try:
+        saved = state_dicts.to_save(entries, partial)
+    finally:
+        _inside = False
     save(saved, checkpoint_id=partial, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     final = os.path.join(root, f"step-{step}")
     if state_dicts.rank() == 0:
@@ -121,8 +128,16 @@ def checkpoint(state: Mapping[str, Any], *, step: int) -> str:
     state_dicts.barrier()  # every rank returns once the checkpoint is complete
     seconds = time.monotonic() - started
     if _notify is not None and state_dicts.rank() == 0:
-        _notify(step, final, seconds, False)
+        _notify(step, final, seconds, False, "")
     return final
+
+
+def saved_by(library: str, step: int, path: str) -> None:
+    """A library's own checkpoint, complete at ``path`` (a trainer's ``checkpoint-N``...): the
+    kernel hears of rank 0's, so that a graceful stop's warning names it. One that
+    :func:`checkpoint` makes (an ``Accelerator``'s ``save_state``) is part of ours, not told."""
+    if _notify is not None and not _inside and state_dicts.rank() == 0:
+        _notify(step, os.path.abspath(path), 0.0, False, library)
 
 
 def restore(state: Mapping[str, Any]) -> int | None:
@@ -163,7 +178,7 @@ def restore(state: Mapping[str, Any]) -> int | None:
     load(loaded, checkpoint_id=path)
     state_dicts.put_back(entries, loaded)
     if _notify is not None and state_dicts.rank() == 0:
-        _notify(int(step), path, time.monotonic() - started, True)
+        _notify(int(step), path, time.monotonic() - started, True, "")
     return int(step)
 
 

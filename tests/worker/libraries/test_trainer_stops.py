@@ -3,7 +3,7 @@ at a step end (``control.should_training_stop``) and saves its own ``checkpoint-
 ``resume_from_checkpoint`` resumes; Lightning stops (``trainer.should_stop``) and saves the
 checkpoint its Slurm requeue writes, which ``ckpt_path="hpc"`` resumes; Accelerate's prepared
 data loader ends its loop, and ``nbddp.checkpoint`` saves the ``Accelerator`` with its own
-``save_state``."""
+``save_state``. Each stop's warning names what was saved after it, whoever saved it."""
 
 from __future__ import annotations
 
@@ -17,11 +17,18 @@ from conftest import TWO_CPU_QUIET
 import nbddp
 from nbddp import NbddpWarning
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 
 def stop_when_training(run: nbddp.Run, rows: int = 2, timeout: float = 120) -> object:
     """Stop ``run`` gracefully once it logged ``rows`` rows; its value (with the warning)."""
+    return stopped_when_training(run, rows, timeout)[0]
+
+
+def stopped_when_training(
+    run: nbddp.Run, rows: int = 2, timeout: float = 120
+) -> tuple[object, str]:
+    """Stop ``run`` gracefully once it logged ``rows`` rows; its value and the warning."""
     deadline = time.monotonic() + timeout
     while len(run.history) < rows:
         assert not run.wait(0.05) and time.monotonic() < deadline, run.status
@@ -30,8 +37,9 @@ def stop_when_training(run: nbddp.Run, rows: int = 2, timeout: float = 120) -> o
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         value = run.result()
-    assert any("stopped gracefully" in str(w.message) for w in caught if w.category is NbddpWarning)
-    return value
+    [said] = [str(w.message) for w in caught if w.category is NbddpWarning]
+    assert "stopped gracefully" in said
+    return value, said
 
 
 def hf_trainer(output_dir: str, resume: bool) -> tuple[int, int]:
@@ -75,9 +83,15 @@ def hf_trainer(output_dir: str, resume: bool) -> tuple[int, int]:
 
 def test_the_hf_trainer_stops_through_its_control_and_resumes_from_its_own_checkpoint(tmp_path):
     run = nbddp.notebook_launch(hf_trainer, (str(tmp_path), False), block=False, **TWO_CPU_QUIET)
-    step, total = stop_when_training(run)
+    (step, total), said = stopped_when_training(run)
     assert 0 < step < total
     assert (tmp_path / f"checkpoint-{step}").is_dir()  # the Trainer's own save, at the stop
+    assert (  # and the stop's warning names it
+        f"The Hugging Face Trainer saved its own checkpoint of step {step} in "
+        f"{tmp_path / f'checkpoint-{step}'} (trainer.train(resume_from_checkpoint=True) "
+        "resumes it)." in said
+    ), said
+    assert "Nothing was saved" not in said
     again = nbddp.notebook_launch(hf_trainer, (str(tmp_path), True), block=False, **TWO_CPU_QUIET)
     deadline = time.monotonic() + 120
     while not any(row.get("step", 0) > step for row in again.history):  # it resumed past it
@@ -123,15 +137,19 @@ def lightning(root: str, resume: bool) -> tuple[int, int, bool]:
 
 def test_lightning_stops_through_should_stop_and_resumes_from_its_hpc_checkpoint(tmp_path):
     run = nbddp.notebook_launch(lightning, (str(tmp_path), False), block=False, **TWO_CPU_QUIET)
-    step, total, should_stop = stop_when_training(run, rows=3)
+    (step, total, should_stop), said = stopped_when_training(run, rows=3)
     assert should_stop and 0 < step < total
     [saved] = [name for name in os.listdir(tmp_path) if name.startswith("hpc_ckpt_")]
+    # Lightning's hpc checkpoint, and its ModelCheckpoint's at the end of training
+    # (in the order they were told: either may come first, and their steps may differ by one)
+    assert "Lightning saved its own checkpoints " in said and str(tmp_path / saved) in said
+    assert "(trainer.fit(..., ckpt_path=<the path>) resumes it)." in said
     again = nbddp.notebook_launch(lightning, (str(tmp_path), True), block=False, **TWO_CPU_QUIET)
     resumed, _, _ = stop_when_training(again, rows=3)
     assert resumed > step, (saved, step, resumed)
 
 
-def accelerate_loop(epochs: int) -> tuple[int | None, int, int]:
+def accelerate_loop(epochs: int, own: str = "") -> tuple[int | None, int, int]:
     import torch
     from accelerate import Accelerator
 
@@ -154,7 +172,9 @@ def accelerate_loop(epochs: int) -> tuple[int | None, int, int]:
             time.sleep(0.01)
         if nbddp.stopping():
             break
-    if nbddp.stopping():
+    if nbddp.stopping() and own:
+        accelerator.save_state(own)  # Accelerate's own save, not nbddp's
+    elif nbddp.stopping():
         nbddp.checkpoint(
             {"accelerator": accelerator, "progress": {"batches": batches}}, step=batches
         )
@@ -164,9 +184,18 @@ def accelerate_loop(epochs: int) -> tuple[int | None, int, int]:
 def test_accelerates_loader_stops_and_its_state_is_saved_by_save_state(tmp_path):
     options = {**TWO_CPU_QUIET, "checkpoint_dir": tmp_path}
     run = nbddp.notebook_launch(accelerate_loop, (1000,), block=False, **options)
-    restored, batches, _ = stop_when_training(run, rows=5)
+    (restored, batches, _), said = stopped_when_training(run, rows=5)
     assert restored is None and batches >= 5
+    assert f"Its checkpoint of step {batches} is in {tmp_path / f'step-{batches}'}." in said
+    assert "Accelerate saved" not in said  # its save_state inside nbddp.checkpoint is ours
     saved = tmp_path / f"step-{batches}" / "accelerate-accelerator"
     assert (saved / "model.safetensors").exists() or any(saved.iterdir())
     again = nbddp.notebook_launch(accelerate_loop, (0,), **options)
     assert again[0] == batches  # restore loaded it (load_state), and said which step
+
+
+def test_accelerates_own_save_state_after_a_stop_is_named(tmp_path):
+    own = tmp_path / "by-accelerate"
+    run = nbddp.notebook_launch(accelerate_loop, (1000, str(own)), block=False, **TWO_CPU_QUIET)
+    _, said = stopped_when_training(run, rows=5)
+    assert own.is_dir() and f"Accelerate saved its own checkpoint in {own} (" in said, said
