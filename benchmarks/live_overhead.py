@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import nbddp
 from nbddp.display import text as text_view
-from nbddp.display.state import RunSnapshot
+from nbddp.state.run import RunSnapshot
 
 ROUNDS = 24
 LAUNCHES = 3  # the overhead moves between launches by more than within one

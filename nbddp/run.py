@@ -19,10 +19,10 @@ from nbddp.diagnosis.rollcalls import RollCalls
 from nbddp.diagnosis.stacks import Stacks
 from nbddp.display import LiveDisplay
 from nbddp.display.rich import RichOutputs
-from nbddp.display.state import RunState
 from nbddp.errors import LaunchTimeout, RunStopped
 from nbddp.errors.notices import warn_always
 from nbddp.plan import LaunchPlan
+from nbddp.state.run import RunState
 
 _last: Run | None = None
 

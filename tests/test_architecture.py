@@ -27,21 +27,23 @@ ALLOWED = {
     "worker": {"wire", "errors"},
     "backend": {"wire"},
     "diagnosis": {"wire", "errors"},
-    "display": {"backend", "diagnosis", "wire", "errors"},
-    "rules": {"backend", "display", "interrupts", "recovery", "wire", "errors"},
+    # a run's model, read by every view and kept by a detached run's headless supervisor
+    "state": {"backend", "diagnosis", "wire", "errors"},
+    "display": {"state", "wire", "errors"},
+    "rules": {"backend", "state", "interrupts", "recovery", "wire", "errors"},
     # the plan's data: a cluster only as a type (imported under TYPE_CHECKING)
     "plan": {"environment", "recovery", "wire"},
     # options checked and resolved into a plan: every ValueError of a launch
     "planning": {"clusters", "environment", "plan", "recovery", "wire"},
-    "run": {"backend", "diagnosis", "display", "interrupts", "plan", "errors"},
+    "run": {"backend", "diagnosis", "display", "interrupts", "plan", "state", "errors"},
     "local": {
         "backend",
-        "display",
         "environment",
         "errors",
         "interrupts",
         "plan",
         "recovery",
+        "state",
         "wire",
         "worker",
     },
@@ -65,7 +67,6 @@ ALLOWED = {
     "detached": {
         "backend",
         "clusters",
-        "display",
         "environment",
         "errors",
         "interrupts",
@@ -74,6 +75,7 @@ ALLOWED = {
         "planning",  # attach()'s display option, as a launch reads it
         "ranks",
         "run",
+        "state",
         "supervised",
         "wire",
     },
@@ -256,6 +258,30 @@ def test_a_rank_loads_no_kernel_module_and_importing_nbddp_starts_nothing():
     assert done.stdout.strip() == "[] []"
 
 
+def test_a_detached_runs_supervisor_loads_no_notebook_face_and_no_display():
+    """A detached run's supervisor is headless and outlives the kernel: it loads the launch
+    path and the run's model (``state/``), never IPython, the panel (``display/``),
+    ``notebook/`` or ``sessions/`` (its modules, the Slurm batch job's included)."""
+    face = (
+        "nbddp.display",
+        "nbddp.notebook",
+        "nbddp.sessions",
+        "nbddp.run",
+        "IPython",
+        "ipywidgets",
+    )
+    code = (
+        "import sys, psutil\n"
+        "import nbddp.detached.supervisor, nbddp.detached.batch, nbddp.clusters.slurm.allocation\n"
+        f"face = {face!r}\n"
+        "loaded = [m for m in sys.modules if any(m == f or m.startswith(f + '.') for f in face)]\n"
+        "print(loaded, psutil.Process().children())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[] []"
+
+
 # A module's length: past PROMPT lines the test prints it, a prompt to look for a second job
 # to split out when the module is next changed; past WALL it fails. A split is designed by
 # concept, never made to fit a number (code parked where there was room is worse than a long
@@ -357,6 +383,10 @@ def test_the_tests_mirror_the_package():
     top = {f for f in folders if "/" not in f}
     misplaced = [f.name for f in tests.glob("test_*.py") if f.stem[len("test_") :] in top]
     assert not misplaced, f"move these into the folder of the part they test: {misplaced}"
+    # the test folders have no __init__.py: pytest imports a test file by its base name
+    names = [f.name for f in tests.rglob("test_*.py")]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"test files with the same name in two folders (rename one): {twice}"
 
 
 def test_the_version_has_one_source():

@@ -27,11 +27,11 @@ from nbddp.detached.outcome import Ending, read_outcome
 from nbddp.detached.queue import queue_state
 from nbddp.detached.records import decode, last_event, read_events
 from nbddp.detached.replay import apply, replay, write_quietly
-from nbddp.display.terminal import CellStream
 from nbddp.errors import NbddpError
 from nbddp.plan import DISPLAYS, LaunchPlan
 from nbddp.planning import chosen_display
 from nbddp.run import Run, remember
+from nbddp.state.terminal import CellStream
 from nbddp.wire.frames import Connection
 from nbddp.wire.stacks import AskStacks
 from nbddp.wire.transport import AuthenticationFailed, connect

@@ -12,7 +12,7 @@ import html
 from dataclasses import dataclass
 
 from nbddp.detached import retention, store
-from nbddp.display.format import format_duration
+from nbddp.state.format import format_duration
 
 FORGET_WAIT = 10.0  # seconds for an ended run's supervisor to exit before its files go
 

@@ -22,9 +22,9 @@ from nbddp.detached import batch, retention, store
 from nbddp.detached.attached import Follow
 from nbddp.detached.link import Handoff
 from nbddp.detached.spawn import start_supervisor
-from nbddp.display.terminal import CellStream
 from nbddp.local.forkserver import default_starter
 from nbddp.plan import LaunchPlan
+from nbddp.state.terminal import CellStream
 from nbddp.wire import payload
 from nbddp.wire.call import Call
 

@@ -26,8 +26,8 @@ from nbddp.detached import store
 from nbddp.detached.link import Answer, Live, Outlet
 from nbddp.detached.outcome import Ending, encode_error
 from nbddp.detached.records import LogWriter, encode
-from nbddp.display.format import bar_text, format_number
-from nbddp.display.state import RunSnapshot, RunState
+from nbddp.state.format import bar_text, format_number
+from nbddp.state.run import RunSnapshot, RunState
 from nbddp.wire.messages import BarSnapshot, Block, Display
 from nbddp.wire.prompts import LeftPdb, Prompt, Reply
 from nbddp.wire.stacks import StackReport

@@ -17,7 +17,7 @@ from nbddp.backend import RunEvents, Writable
 from nbddp.detached import store
 from nbddp.detached.outcome import Ending, decode_error
 from nbddp.detached.records import Event
-from nbddp.display.terminal import LineWindow
+from nbddp.state.terminal import LineWindow
 
 REPLAY_LINES = 1000
 _CALLS: tuple[str, ...] = ("started", "device", "rows", "main_rows", "bars", "display")

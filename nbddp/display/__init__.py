@@ -20,9 +20,9 @@ import warnings
 from collections.abc import Callable
 from typing import Protocol
 
-from nbddp.display.state import RunSnapshot, RunState
 from nbddp.display.text import TextView
 from nbddp.errors import NbddpWarning
+from nbddp.state.run import RunSnapshot, RunState
 
 MAX_RATE = 10.0  # renders per second, however fast training goes
 

@@ -1,6 +1,6 @@
 """HTML for the panel's parts, used live by the widget and frozen into the static summary.
 
-Each part is a pure function of a :class:`~nbddp.display.state.RunSnapshot`. The markup is
+Each part is a pure function of a :class:`~nbddp.state.run.RunSnapshot`. The markup is
 self-contained (inline styles, inline SVG charts, no scripts), so a saved notebook shows the
 result on GitHub, in nbviewer and after a kernel restart, where widget state is gone.
 """
@@ -13,8 +13,8 @@ import os
 import time
 
 from nbddp.display import ansi
-from nbddp.display.format import bar_text, format_duration, format_number
-from nbddp.display.state import RunSnapshot
+from nbddp.state.format import bar_text, format_duration, format_number
+from nbddp.state.run import RunSnapshot
 
 _COLORS = {
     "starting": "#6b7280",

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbddp.display.html import panel_html, summary_html
-from nbddp.display.state import RunSnapshot
+from nbddp.state.run import RunSnapshot
 
 MAX_RATE = 5.0  # redraws per second, as the Jupyter panel
 

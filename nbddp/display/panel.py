@@ -33,7 +33,7 @@ from typing import Any
 from nbddp.display.html import panel_html, summary_html
 from nbddp.display.plain import panel_text
 from nbddp.display.rich import CellPublisher
-from nbddp.display.state import RunSnapshot
+from nbddp.state.run import RunSnapshot
 
 MAX_RATE = 5.0  # renders per second: each sends the whole panel (tens of kB at most)
 _BLANK = {"text/html": "", "text/plain": ""}  # an output emptied: nothing to draw or to read

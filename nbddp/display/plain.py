@@ -14,9 +14,9 @@ Non-goal: the charts (the metrics' last values are the text's part of them) and 
 from __future__ import annotations
 
 from nbddp.display import ansi
-from nbddp.display.format import bar_text, format_number
-from nbddp.display.state import RunSnapshot
 from nbddp.display.text import stall_text
+from nbddp.state.format import bar_text, format_number
+from nbddp.state.run import RunSnapshot
 
 
 def panel_text(s: RunSnapshot, hint: str = "") -> str:

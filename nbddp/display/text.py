@@ -11,8 +11,8 @@ import sys
 import time
 from typing import TextIO
 
-from nbddp.display.format import bar_text, format_number
-from nbddp.display.state import RunSnapshot
+from nbddp.state.format import bar_text, format_number
+from nbddp.state.run import RunSnapshot
 
 EVERY = 5.0
 

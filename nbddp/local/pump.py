@@ -21,7 +21,7 @@ import re
 import sys
 
 from nbddp.backend import Writable
-from nbddp.display.terminal import MAX_LINE, CellStream, LineWindow
+from nbddp.state.terminal import MAX_LINE, CellStream, LineWindow
 from nbddp.wire.messages import Output
 
 _TAIL_LINES = 40

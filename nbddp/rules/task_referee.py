@@ -20,12 +20,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from nbddp.backend import Outcome, RunEvents, Writable
-from nbddp.display.terminal import CellStream
 from nbddp.errors import LaunchTimeout
 from nbddp.recovery import STOP_GRACE
 from nbddp.rules.graceful import GracefulStop
 from nbddp.rules.in_step import out_of_step
 from nbddp.rules.judging import SETTLE, Clock, Judging, write_out
+from nbddp.state.terminal import CellStream
 from nbddp.wire.messages import Failed, GroupCount, Issued, Result, Unsendable
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from nbddp.detached import store
 from nbddp.detached.outcome import Ending, decode_error, encode_error, read_outcome, write_value
 from nbddp.detached.records import LogWriter, encode, last_event, read_events
 from nbddp.detached.replay import replay
-from nbddp.display.state import RunState
 from nbddp.errors import LaunchTimeout, SerializationError, WorkerError
 from nbddp.rules.tracker import raised
+from nbddp.state.run import RunState
 from nbddp.wire import payload
 from nbddp.wire.messages import BarSnapshot, ErrorReport
 

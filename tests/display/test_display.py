@@ -12,11 +12,11 @@ import pytest
 from conftest import blocks
 
 from nbddp.display import LiveDisplay
-from nbddp.display.format import bar_text
 from nbddp.display.html import summary_html
-from nbddp.display.state import RunState, ShownBar
 from nbddp.display.text import TextView
 from nbddp.errors import NbddpWarning
+from nbddp.state.format import bar_text
+from nbddp.state.run import RunState, ShownBar
 
 
 def test_bar_text_is_tqdm_like():

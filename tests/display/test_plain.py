@@ -7,7 +7,7 @@ import pytest
 from conftest import blocks
 
 from nbddp.display.plain import panel_text
-from nbddp.display.state import RunState
+from nbddp.state.run import RunState
 from nbddp.wire.messages import BarSnapshot
 
 pytestmark = pytest.mark.unit

@@ -7,8 +7,8 @@ import io
 import os
 import time
 
-from nbddp.display.terminal import LineWindow
 from nbddp.local.pump import OutputPump
+from nbddp.state.terminal import LineWindow
 
 
 def pump_text(mode: str, writes: list[tuple[int, bytes]]) -> tuple[str, OutputPump]:

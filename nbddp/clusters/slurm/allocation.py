@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 from nbddp.clusters.placement import NodeInfo
 from nbddp.clusters.slurm import commands
 from nbddp.clusters.slurm.commands import SlurmCommandError
-from nbddp.display.notice import Notice
 from nbddp.errors import NbddpError
 
 if TYPE_CHECKING:
@@ -149,6 +148,9 @@ class SlurmCluster:
     def _wait_running(self) -> None:
         assert self.job_id is not None
         shown = False
+        # the kernel's wait, never a detached run's supervisor's: it alone loads the display
+        from nbddp.display.notice import Notice
+
         notice = Notice()  # one line in the cell, updated as the job's state changes
         while True:
             state, reason = commands.job_state(self.job_id)

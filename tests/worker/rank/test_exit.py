@@ -14,10 +14,10 @@ import pytest
 
 import nbddp
 from nbddp.display.html import header_html
-from nbddp.display.state import RunState
 from nbddp.planning import make_plan
 from nbddp.rules import referee as referee_module
 from nbddp.rules.referee import Referee
+from nbddp.state.run import RunState
 from nbddp.wire.messages import Ended, Received, Result
 
 TWO_CPU = {"num_workers": 2, "device": "cpu", "display": "none"}

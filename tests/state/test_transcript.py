@@ -13,8 +13,8 @@ from nbclient import NotebookClient
 
 from nbddp.display.html import summary_html
 from nbddp.display.plain import panel_text
-from nbddp.display.state import RunState
-from nbddp.display.transcript import LOG_DIRECTORY, Transcript
+from nbddp.state.run import RunState
+from nbddp.state.transcript import LOG_DIRECTORY, Transcript
 
 
 def lines(first: int, last: int) -> str:

@@ -8,8 +8,8 @@ import itertools
 import pytest
 from conftest import blocks
 
-from nbddp.display.metrics import History, MetricsAggregator
-from nbddp.display.state import RunState
+from nbddp.state.metrics import History, MetricsAggregator
+from nbddp.state.run import RunState
 from nbddp.wire.messages import BarSnapshot
 
 

@@ -11,20 +11,27 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from nbddp.backend import Status
 from nbddp.diagnosis.answers import Answers
 from nbddp.diagnosis.prompts import Prompts
-from nbddp.display.metrics import History, MetricsAggregator
-from nbddp.display.recovery import Recovery
-from nbddp.display.rich import RichOutputs
-from nbddp.display.terminal import LineWindow
-from nbddp.display.transcript import Transcript
 from nbddp.errors.render import first_line
+from nbddp.state.metrics import History, MetricsAggregator
+from nbddp.state.recovery import Recovery
+from nbddp.state.terminal import LineWindow
+from nbddp.state.transcript import Transcript
 from nbddp.wire.messages import BarSnapshot, Block, Display
 from nbddp.wire.prompts import LeftPdb, Prompt
 from nbddp.wire.stacks import StackReport
+
+
+class RichSink(Protocol):
+    """Where the ranks' rich output goes as it arrives (the launching cell:
+    ``display/rich.py``'s ``RichOutputs``)."""
+
+    def show(self, message: Display) -> None: ...
+
 
 OUTPUT_LINES = 200
 CHART_POINTS = 300
@@ -129,7 +136,7 @@ class RunState:
         self._transcript = Transcript()  # what its saved summary keeps
         self._finishing: frozenset[int] = frozenset()
         self.panel_output = False  # the live widget shows the ranks' output
-        self.rich: RichOutputs | None = None  # where the ranks' rich output goes (the cell)
+        self.rich: RichSink | None = None  # where the ranks' rich output goes (the cell)
         self.answers = Answers(world_size)  # roll-calls in flight (Run.stacks)
         self.prompts = Prompts()  # the ranks' questions to the person (pdb, input())
         self.last_progress = self.started_at  # monotonic: the last row, bar or output

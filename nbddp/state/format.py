@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from nbddp.display.state import ShownBar
+from nbddp.state.run import ShownBar
 
 
 def format_duration(seconds: float) -> str:

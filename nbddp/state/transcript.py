@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import TextIO
 
-from nbddp.display.terminal import LineWindow
+from nbddp.state.terminal import LineWindow
 
 HEAD_LINES = 2_000  # first lines kept in the saved summary
 TAIL_LINES = 2_000  # last lines kept in the saved summary
