@@ -27,7 +27,7 @@ from nbddp.launch import launch_plan
 from nbddp.notebook import cell as cells
 from nbddp.notebook import crossing
 from nbddp.notebook.cell_errors import CellFailed, CellSyntaxError, interrupted
-from nbddp.notebook.detaching import announce, check_detach, kept_cell
+from nbddp.notebook.detached_magic import announce, check_detach, kept_cell
 from nbddp.notebook.stopping_options import (
     checkpoint_name,
     refuse_launch_only,
