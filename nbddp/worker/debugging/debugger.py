@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
+import weakref
 from collections.abc import Iterator
 from types import FrameType, ModuleType, TracebackType
 from typing import Any
@@ -79,6 +81,17 @@ def _from_user_code(error: BaseException) -> TracebackType | None:
     return traceback
 
 
+_failed_at: weakref.WeakKeyDictionary[BaseException, float] = weakref.WeakKeyDictionary()
+
+
+def failed_at(error: BaseException) -> float | None:
+    """When ``error`` stopped its rank in post-mortem pdb (None: it did not)."""
+    try:
+        return _failed_at.get(error)
+    except TypeError:
+        return None
+
+
 def post_mortem(error: BaseException) -> None:
     """With ``debug=True``: pdb at the frame that raised ``error``, before the rank reports it.
     An interrupt ends it (the report goes on)."""
@@ -92,6 +105,8 @@ def post_mortem(error: BaseException) -> None:
         return
     from nbddp.worker.debugging.rank_pdb import RankPdb
 
+    with contextlib.suppress(TypeError):  # an exception that takes no weak reference
+        _failed_at[error] = time.time()  # the failure's time is now, not when pdb is left
     debugger = RankPdb(link, "post-mortem")
     debugger.message(
         f"nbddp: rank {link.rank} raised {type(error).__name__}: {error}\n"

@@ -16,11 +16,16 @@ import types
 from nbddp.wire import payload
 from nbddp.wire.frames import Connection
 from nbddp.wire.messages import Bars, BarSnapshot, Block, ErrorReport, MainRows, Rows
+from nbddp.worker.debugging import debugger
+from nbddp.worker.diagnosis import collective_watch
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def error_report(exc: BaseException) -> ErrorReport:
+    """The rank's failure as the kernel gets it, stamped when it was raised: a post-mortem
+    pdb that held it for minutes does not make a peer's later failure look first."""
+    collective_watch.disarm()  # the job's code is over: nothing of it can time out now
     try:
         original: bytes | None = payload.dumps_exception(exc)
     except BaseException:
@@ -31,7 +36,7 @@ def error_report(exc: BaseException) -> ErrorReport:
         message=message_of(exc),
         traceback=format_user_traceback(exc),
         exception=original,
-        time=time.time(),
+        time=debugger.failed_at(exc) or time.time(),
         mro=tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__),
         module=cls.__module__,
         hint=hint_for(exc),
