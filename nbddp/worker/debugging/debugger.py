@@ -20,7 +20,6 @@ import contextlib
 import os
 import sys
 import time
-import weakref
 from collections.abc import Iterator
 from types import FrameType, ModuleType, TracebackType
 from typing import Any
@@ -81,15 +80,14 @@ def _from_user_code(error: BaseException) -> TracebackType | None:
     return traceback
 
 
-_failed_at: weakref.WeakKeyDictionary[BaseException, float] = weakref.WeakKeyDictionary()
+_failed_at: dict[int, tuple[BaseException, float]] = {}  # by id (exceptions take no weakref)
 
 
 def failed_at(error: BaseException) -> float | None:
-    """When ``error`` stopped its rank in post-mortem pdb (None: it did not)."""
-    try:
-        return _failed_at.get(error)
-    except TypeError:
-        return None
+    """When ``error`` stopped its rank in post-mortem pdb (None: it did not); asked once,
+    when the failure is reported."""
+    held = _failed_at.pop(id(error), None)
+    return held[1] if held is not None and held[0] is error else None
 
 
 def post_mortem(error: BaseException) -> None:
@@ -105,8 +103,7 @@ def post_mortem(error: BaseException) -> None:
         return
     from nbddp.worker.debugging.rank_pdb import RankPdb
 
-    with contextlib.suppress(TypeError):  # an exception that takes no weak reference
-        _failed_at[error] = time.time()  # the failure's time is now, not when pdb is left
+    _failed_at[id(error)] = (error, time.time())  # the failure's time, not pdb's end
     debugger = RankPdb(link, "post-mortem")
     debugger.message(
         f"nbddp: rank {link.rank} raised {type(error).__name__}: {error}\n"
