@@ -20,7 +20,9 @@ PACKAGE = Path(nbddp.__file__).parent
 # side (``worker``) stands on the wire alone; ``notebook`` is the face and may use anything.
 ALLOWED = {
     "errors": set(),
-    "environment": set(),
+    # the GPUs a launch can name, read without a CUDA context; NCCL's release
+    "devices": set(),
+    "environment": {"devices"},
     "interrupts": set(),
     "recovery": set(),
     "wire": {"errors"},
@@ -32,10 +34,11 @@ ALLOWED = {
     # the plan's data: a cluster only as a type (imported under TYPE_CHECKING)
     "plan": {"environment", "recovery", "wire"},
     # options checked and resolved into a plan: every ValueError of a launch
-    "planning": {"clusters", "environment", "plan", "recovery", "wire"},
+    "planning": {"clusters", "devices", "environment", "plan", "recovery", "wire"},
     "run": {"backend", "diagnosis", "display", "interrupts", "plan", "errors"},
     "local": {
         "backend",
+        "devices",
         "display",
         "environment",
         "errors",
