@@ -116,8 +116,10 @@ def place_of(report: StackReport) -> CodePlace | None:
     return CodePlace(location(user), source_line(user) or f"{user.function}()", None)
 
 
-_ASKING = tuple(os.sep + os.path.join("worker", name) for name in ("rank_pdb.py", "asking.py"))
-_BREAKPOINT = os.sep + os.path.join("worker", "debugger.py")  # nbddp.breakpoint(), post-mortem
+_ASKING = tuple(
+    os.sep + os.path.join("worker", "debugging", name) for name in ("rank_pdb.py", "asking.py")
+)
+_BREAKPOINT = os.sep + os.path.join("worker", "debugging", "debugger.py")  # nbddp.breakpoint()
 
 
 def _debugging(frames: tuple[StackFrame, ...]) -> CodePlace | None:
