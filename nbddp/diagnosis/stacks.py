@@ -116,10 +116,9 @@ def place_of(report: StackReport) -> CodePlace | None:
     return CodePlace(location(user), source_line(user) or f"{user.function}()", None)
 
 
-_ASKING = tuple(
-    os.sep + os.path.join("worker", "debugging", name) for name in ("rank_pdb.py", "asking.py")
-)
-_BREAKPOINT = os.sep + os.path.join("worker", "debugging", "debugger.py")  # nbddp.breakpoint()
+_DEBUGGING = os.sep + os.path.join("worker", "debugging", "")
+_ASKING = tuple(_DEBUGGING + name for name in ("rank_pdb.py", "asking.py"))
+_BREAKPOINT = _DEBUGGING + "debugger.py"  # nbddp.breakpoint(), post-mortem
 
 
 def _debugging(frames: tuple[StackFrame, ...]) -> CodePlace | None:
