@@ -112,6 +112,8 @@ def make_plan(
             "Use backend='gloo' (or None), or device='cuda' on a machine with GPUs."
         )
     user_env = _check_env(env, resolved_device)
+    if workers == 1 and on_cluster is None and not detach:
+        _check_kernel_slice(rank_gpus)
     if resolved_backend == "nccl" and shared(rank_gpus):
         user_env = {**_nccl_sharing(rank_gpus), **user_env}
 
@@ -240,6 +242,17 @@ def _check_kernel_view(gpus: Sequence[int | str]) -> None:
             f"started in this kernel with {torch.cuda.device_count()}: it was changed after "
             "CUDA was initialised, and torch's GPU indices still follow the old value. Set it "
             "back, or restart the kernel and set it before anything uses CUDA."
+        )
+
+
+def _check_kernel_slice(gpus: Sequence[int | str]) -> None:
+    """One rank runs in the kernel, whose CUDA enumerates one MIG slice: the first it sees."""
+    slices = mig_slices()
+    if gpus and is_uuid(gpus[0]) and is_mig(str(gpus[0])) and slices and gpus[0] != slices[0]:
+        raise ValueError(
+            f"gpus={list(gpus)!r}: one rank runs in the kernel, and the kernel's CUDA sees one "
+            f"MIG slice, {slices[0]!r}. Name that one, or launch a rank per slice "
+            "(num_workers=2 with both slices): each rank then sees its own."
         )
 
 

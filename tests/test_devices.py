@@ -94,6 +94,13 @@ def test_mig_slices_by_uuid_without_visible_devices(machine):
     assert envs(plan) == [(MIG_B, "0"), (MIG_A, "0")]
 
 
+def test_one_rank_in_the_kernel_can_use_only_the_slice_the_kernel_sees(machine):
+    machine.setenv("CUDA_VISIBLE_DEVICES", f"{MIG_A},{MIG_B}")
+    assert make_plan(gpus=[MIG_A], num_workers=1, gpu_count=1).gpus == (MIG_A,)
+    with pytest.raises(ValueError, match="the kernel's CUDA sees one MIG slice"):
+        make_plan(gpus=[MIG_B], num_workers=1, gpu_count=1)
+
+
 def test_f10_ranks_sharing_a_gpu_have_its_index_as_local_rank(machine):
     """F10: ``LOCAL_RANK`` was 0 and 1 while each rank's only device was cuda:0, so
     ``.to(rank)`` and Lightning's ``devices=2`` asked for a GPU that is not there."""
