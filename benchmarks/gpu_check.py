@@ -52,14 +52,14 @@ SECTIONS: list[tuple[int, str, int, str]] = [
     (
         1,
         "gpu_tests",
-        110,
+        150,
         "the project's gpu-marked tests (tests/test_gpu.py and the gpu tests "
         "of tutorials and export): one-GPU ones pass, two-GPU ones skip",
     ),
     (
         2,
         "helper_imports",
-        55,
+        45,
         "G1: which popular imports load libcuda or start CUDA in a fresh "
         "process; nbddp's warm helper after preloading them stays CUDA-free and still forks "
         "ranks that reach the GPU",
@@ -67,7 +67,7 @@ SECTIONS: list[tuple[int, str, int, str]] = [
     (
         3,
         "stall_banner",
-        35,
+        30,
         "F2: a rank waiting on the GPU spins a core; the stall banner on "
         "GPU ranks waiting in a collective (gloo on gpus=[0,0]; NCCL where 2.30+ allows two "
         "ranks on one GPU)",
@@ -91,7 +91,7 @@ SECTIONS: list[tuple[int, str, int, str]] = [
     (
         6,
         "stop_and_kill",
-        40,
+        35,
         "GPU memory back after Stop of 2 ranks with DataLoader workers, and "
         "after SIGKILL of a rank waiting on the GPU: a typed error at once, no process left",
     ),
@@ -113,21 +113,21 @@ SECTIONS: list[tuple[int, str, int, str]] = [
     (
         9,
         "first_step",
-        45,
+        40,
         "time to the first GPU step: a warm launch of 2 ranks, a session's "
         "first and next task, and torchrun of the same step (cold)",
     ),
     (
         10,
         "ddp_cell",
-        40,
+        35,
         "a %%ddp cell on cuda in a real kernel (the carried ipykernel, "
         "jupyter_client and IPython wheels): the cell's value and the rank's device",
     ),
     (
         11,
         "cpu_scaling",
-        45,
+        35,
         "launch latency of a trivial all_reduce as CPU ranks grow: 2, 4, 8, 16",
     ),
 ]
