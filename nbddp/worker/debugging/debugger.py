@@ -27,7 +27,7 @@ from typing import Any
 from nbddp.worker.debugging import asking
 from nbddp.worker.debugging.asking import Link
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 
 def stop_here(link: Link, frame: FrameType, release: int = 0, header: str | None = None) -> None:

@@ -13,7 +13,7 @@ from types import FrameType, TracebackType
 
 from nbddp.worker.debugging.asking import Link, where
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 
 def _ours(filename: str) -> bool:

@@ -38,7 +38,7 @@ from nbddp.wire.stacks import (
     read_dump,
 )
 
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 RECENT_COLLECTIVES = 8  # flight-recorder entries sent per rank
 CHILD_WAIT = 0.5  # seconds a forked child gets to write its dump
 NATIVE_WAIT = 20.0  # seconds py-spy gets (reading native symbols is slow)

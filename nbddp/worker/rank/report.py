@@ -19,7 +19,7 @@ from nbddp.wire.messages import Bars, BarSnapshot, Block, ErrorReport, MainRows,
 from nbddp.worker.debugging import debugger
 from nbddp.worker.diagnosis import collective_watch
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 
 def error_report(exc: BaseException) -> ErrorReport:
