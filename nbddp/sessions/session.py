@@ -65,7 +65,7 @@ class Session:
         num_workers: int | str = "auto",
         device: str = "auto",
         backend: str | None = None,
-        gpus: Sequence[int] | None = None,
+        gpus: Sequence[int | str] | None = None,
         env: Mapping[str, str] | None = None,
         cluster: Any = None,
         nodes: int | str = "auto",
