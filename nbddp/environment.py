@@ -1,6 +1,7 @@
 """The environment each rank sees, built in one place: the torchrun variables (for every rank
-of a launch, and for the kernel itself when it runs one rank), thread and GPU settings, and the
-user's ``env=``.
+of a launch, and for the kernel itself when it runs one rank), thread and GPU settings (the GPUs
+it sees; its ``LOCAL_RANK`` is its own one's index there: ``devices.py``), and the user's
+``env=``.
 
 The variables nbddp owns cannot be set through ``env=``: :func:`check_user_env` refuses them
 and names the option that sets them instead.
@@ -20,8 +21,10 @@ import secrets
 import socket
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
+
+from nbddp.devices import GpuName, rank_devices
 
 _SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
 WORKER_VARIABLE = "NBDDP_WORKER"  # set in every rank and in the helper: no helper of its own
@@ -186,7 +189,7 @@ def worker_env(
     run_id: str,
     *,
     device: str,
-    gpus: tuple[int, ...],
+    gpus: Sequence[GpuName],
     user_env: Mapping[str, str],
     master_addr: str = "127.0.0.1",
     interface: str | None = None,
@@ -208,8 +211,10 @@ def worker_env(
         # process without IPython would make a web browser
         env["MPLBACKEND"] = "module://nbddp.worker.output.figures"
         env.setdefault("PLOTLY_RENDERER", _plotly_renderer())
-    if device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(physical_gpus(gpus))
+    if device == "cuda":  # the GPUs it sees, and its own one's index there is its LOCAL_RANK
+        seen, index = rank_devices(gpus)[place.local_rank]
+        env["CUDA_VISIBLE_DEVICES"] = seen
+        env["LOCAL_RANK"] = str(index)
     else:  # Accelerator() sees CPU ranks as one job only when told (accelerate launch --cpu)
         env["ACCELERATE_USE_CPU"] = "true"
     if interface is not None:
@@ -225,18 +230,9 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def physical_gpus(gpus: tuple[int, ...]) -> list[str]:
-    """The kernel's GPU indices, translated through its own CUDA_VISIBLE_DEVICES, deduplicated."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    names = [v.strip() for v in visible.split(",")] if visible else None
-    unique = list(dict.fromkeys(gpus))
-    return [names[i] if names else str(i) for i in unique]
-
-
-def device_indices(gpus: tuple[int, ...]) -> tuple[int, ...]:
-    """Each rank's cuda index inside its process (its GPU's place among the selected ones)."""
-    unique = list(dict.fromkeys(gpus))
-    return tuple(unique.index(g) for g in gpus)
+def device_indices(gpus: Sequence[GpuName]) -> tuple[int, ...]:
+    """Each rank's cuda index inside its process (``devices.rank_devices``)."""
+    return tuple(index for _, index in rank_devices(gpus))
 
 
 def notebook_logging() -> tuple[int, str, str | None] | None:

@@ -29,7 +29,7 @@ def notebook_launch(
     num_workers: int | str = "auto",
     device: str = "auto",
     backend: str | None = None,
-    gpus: Sequence[int] | None = None,
+    gpus: Sequence[int | str] | None = None,
     timeout: float | None = None,
     display: str = "auto",
     output: str = "rank0",
@@ -71,9 +71,12 @@ def notebook_launch(
             which runs ``fn`` in the kernel).
         device: "auto" (cuda when a GPU is visible), "cuda" or "cpu".
         backend: None (nccl on cuda, gloo on cpu), "nccl" or "gloo".
-        gpus: The GPU indices to use, like ``CUDA_VISIBLE_DEVICES``. ``gpus=[0, 0]`` with
-            ``backend="gloo"`` puts two ranks on one GPU: a testing aid for single-GPU
-            machines (NCCL refuses it).
+        gpus: The GPUs to use, rank i on ``gpus[i]``: the kernel's ``torch.cuda`` indices
+            (which follow its ``CUDA_VISIBLE_DEVICES``) or UUIDs as ``nvidia-smi -L`` prints
+            them (``"GPU-…"``, ``"MIG-…"``: a MIG slice is one rank's whole device). Each
+            rank's ``LOCAL_RANK`` is its own device's index. ``gpus=[0, 0]`` puts two ranks
+            on one GPU (a testing aid for single-GPU machines): with gloo, or with NCCL
+            2.30 and later, time-sliced (an older NCCL is refused, by name).
         timeout: Seconds for the whole run; None: no limit. Then a run that checks
             [nbddp.stopping][] (or [nbddp.progress][]) stops gracefully and returns its value,
             with a warning; any other is ended and [nbddp.LaunchTimeout][] raised.

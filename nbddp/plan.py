@@ -42,8 +42,9 @@ class LaunchPlan:
     world_size: int
     device: Device
     backend: DistBackend
-    # Kernel-visible GPU index of each rank (cuda only); equal entries mean shared GPUs.
-    gpus: tuple[int, ...] = ()
+    # Each rank's GPU (cuda only): the kernel's index, or a UUID ("GPU-…", "MIG-…");
+    # equal entries mean shared GPUs (``devices.py``).
+    gpus: tuple[int | str, ...] = ()
     timeout: float | None = None
     display: Display = "auto"
     output: Output = "rank0"

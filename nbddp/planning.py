@@ -12,11 +12,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from nbddp.clusters.choice import resolve as resolve_cluster
 from nbddp.clusters.placement import Cluster, place_on_cluster
+from nbddp.devices import (
+    MULTI_RANK_NCCL,
+    MULTI_RANK_VARIABLE,
+    is_mig,
+    is_uuid,
+    known_uuids,
+    mig_slices,
+    nccl_version,
+    physical,
+    shared,
+    version_text,
+    visible,
+)
 from nbddp.environment import check_user_env
 from nbddp.plan import (
     BACKENDS,
@@ -37,7 +51,7 @@ def make_plan(
     num_workers: int | str = "auto",
     device: str = "auto",
     backend: str | None = None,
-    gpus: Sequence[int] | None = None,
+    gpus: Sequence[int | str] | None = None,
     timeout: float | None = None,
     display: str = "auto",
     output: str = "rank0",
@@ -97,11 +111,11 @@ def make_plan(
             "backend='nccl' needs GPUs but this run is on the CPU. "
             "Use backend='gloo' (or None), or device='cuda' on a machine with GPUs."
         )
-    if len(set(rank_gpus)) < len(rank_gpus) and resolved_backend == "nccl":
-        raise ValueError(
-            f"gpus={list(rank_gpus)} puts two ranks on one GPU, which NCCL refuses. "
-            "Pass backend='gloo' to share a GPU (a testing aid for single-GPU machines)."
-        )
+    user_env = _check_env(env, resolved_device)
+    if workers == 1 and on_cluster is None and not detach:
+        _check_kernel_slice(rank_gpus)
+    if resolved_backend == "nccl" and shared(rank_gpus):
+        user_env = {**_nccl_sharing(rank_gpus), **user_env}
 
     _check_run_options(timeout, display, output, return_all, block, debug)
     stall = check_stall_after(stall_after)
@@ -116,7 +130,7 @@ def make_plan(
         output=output,  # type: ignore[arg-type]
         return_all=return_all,
         block=block and not detach,  # a detached launch never waits
-        env=_check_env(env, resolved_device),
+        env=user_env,
         cluster=on_cluster,
         nodes=n_nodes,
         workers_per_node=per_node,
@@ -191,8 +205,8 @@ def _check_run_options(
 
 
 def _this_machine(
-    num_workers: int | str, device: str, gpus: Sequence[int] | None, n_gpus: int
-) -> tuple[Device, int, tuple[int, ...]]:
+    num_workers: int | str, device: str, gpus: Sequence[int | str] | None, n_gpus: int
+) -> tuple[Device, int, tuple[int | str, ...]]:
     """Device, world size and each rank's GPU on this machine."""
     if device == "cuda" and n_gpus == 0:
         raise ValueError(
@@ -206,14 +220,70 @@ def _this_machine(
     workers = _resolve_workers(num_workers, resolved, n_gpus, gpus)
     if resolved != "cuda":
         return resolved, workers, ()
-    chosen = list(gpus) if gpus is not None else list(range(n_gpus))
+    chosen = list(gpus) if gpus is not None else _every_gpu(n_gpus)
     if workers > len(chosen):
         raise ValueError(
             f"num_workers={workers} but only {len(chosen)} GPU(s) are selected "
             f"({chosen}). Use num_workers<={len(chosen)}, or let two ranks share a GPU "
-            "for testing with gpus=[0, 0] and backend='gloo', or device='cpu'."
+            "for testing with gpus=[0, 0] (gloo, or NCCL 2.30 and later), or device='cpu'."
         )
+    _check_kernel_view(chosen[:workers])
     return resolved, workers, tuple(chosen[:workers])
+
+
+def _every_gpu(n_gpus: int) -> list[int | str]:
+    """Every GPU the kernel sees: its indices, or, where it sees MIG slices, each slice (a
+    process's CUDA enumerates one slice, so each rank gets one of its own)."""
+    slices = mig_slices()
+    return list(slices) if slices else list(range(n_gpus))
+
+
+def _check_kernel_view(gpus: Sequence[int | str]) -> None:
+    """What the ranks would see must be what the kernel meant: ``CUDA_VISIBLE_DEVICES`` changed
+    after CUDA started here leaves torch counting the GPUs it saw then; a MIG slice other than
+    the kernel's own cannot run in the kernel."""
+    for gpu in gpus:
+        physical(gpu)  # a ValueError that explains, for an index CUDA_VISIBLE_DEVICES lost
+    names = visible()
+    torch = sys.modules.get("torch")
+    if (
+        names is not None
+        and not any(is_mig(n) for n in names)
+        and torch is not None
+        and torch.cuda.is_initialized()
+        and len(names) != torch.cuda.device_count()
+    ):
+        raise ValueError(
+            f"CUDA_VISIBLE_DEVICES={','.join(names)!r} names {len(names)} GPU(s), but CUDA "
+            f"started in this kernel with {torch.cuda.device_count()}: it was changed after "
+            "CUDA was initialised, and torch's GPU indices still follow the old value. Set it "
+            "back, or restart the kernel and set it before anything uses CUDA."
+        )
+
+
+def _check_kernel_slice(gpus: Sequence[int | str]) -> None:
+    """One rank runs in the kernel, whose CUDA enumerates one MIG slice: the first it sees."""
+    slices = mig_slices()
+    if gpus and is_uuid(gpus[0]) and is_mig(str(gpus[0])) and slices and gpus[0] != slices[0]:
+        raise ValueError(
+            f"gpus={list(gpus)!r}: one rank runs in the kernel, and the kernel's CUDA sees one "
+            f"MIG slice, {slices[0]!r}. Name that one, or launch a rank per slice "
+            "(num_workers=2 with both slices): each rank then sees its own."
+        )
+
+
+def _nccl_sharing(gpus: Sequence[int | str]) -> dict[str, str]:
+    """Two ranks on one GPU with NCCL: the NCCL torch loads must allow it (2.30 and later,
+    when told so), else the launch is refused naming the release."""
+    version = nccl_version()
+    if version is None or version < MULTI_RANK_NCCL:
+        raise ValueError(
+            f"gpus={list(gpus)} puts two ranks on one GPU, which {version_text(version)} (the "
+            "library torch loads) refuses: NCCL runs several ranks on one GPU from release "
+            "2.30 on. Pass backend='gloo' to share a GPU (a testing aid for single-GPU "
+            "machines), or install a torch whose NCCL is 2.30 or later."
+        )
+    return {MULTI_RANK_VARIABLE: "1"}
 
 
 def _choices(options: tuple[str, ...]) -> str:
@@ -221,12 +291,12 @@ def _choices(options: tuple[str, ...]) -> str:
 
 
 def _resolve_workers(
-    num_workers: int | str, device: Device, n_gpus: int, gpus: Sequence[int] | None
+    num_workers: int | str, device: Device, n_gpus: int, gpus: Sequence[int | str] | None
 ) -> int:
     if num_workers == "auto":
         if device == "cpu":
             return 1
-        return len(gpus) if gpus is not None else n_gpus
+        return len(gpus) if gpus is not None else len(_every_gpu(n_gpus))
     if isinstance(num_workers, bool) or not isinstance(num_workers, int):
         raise ValueError(
             f"num_workers={num_workers!r} must be an int >= 1 or 'auto' (one per visible GPU)."
@@ -243,20 +313,48 @@ def _resolve_workers(
     return num_workers
 
 
-def _check_gpus(gpus: Sequence[int], device: Device, n_gpus: int) -> tuple[int, ...]:
+def _check_gpus(gpus: Sequence[int | str], device: Device, n_gpus: int) -> tuple[int | str, ...]:
+    """Indices as the kernel's ``torch.cuda`` counts them, or UUIDs (``GPU-…``, ``MIG-…``); a
+    GPU UUID the kernel's ``CUDA_VISIBLE_DEVICES`` lists becomes its index."""
     if device == "cpu":
         raise ValueError("gpus= selects GPUs, but device='cpu'. Drop gpus= or use device='cuda'.")
     if isinstance(gpus, (str, bytes)) or not isinstance(gpus, Sequence) or not gpus:
-        raise ValueError(f"gpus={gpus!r} must be a non-empty list of GPU indices, e.g. [0, 1].")
-    for index in gpus:
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise ValueError(f"gpus={list(gpus)!r}: {index!r} is not a GPU index (an int).")
-        if not 0 <= index < n_gpus:
+        raise ValueError(
+            f"gpus={gpus!r} must be a non-empty list of GPU indices or UUIDs, e.g. [0, 1]."
+        )
+    names = visible()
+    known = None
+    checked: list[int | str] = []
+    for gpu in gpus:
+        if is_uuid(gpu):
+            assert isinstance(gpu, str)
+            if names is not None and gpu in names and not is_mig(gpu):
+                checked.append(names.index(gpu))  # the kernel's own index for it
+                continue
+            known = known_uuids() if known is None else known
+            if (names is not None and gpu not in names) or (known is not None and gpu not in known):
+                where = (
+                    f"this kernel's CUDA_VISIBLE_DEVICES={','.join(names)!r}"
+                    if names is not None
+                    else "nvidia-smi -L"
+                )
+                raise ValueError(
+                    f"gpus={list(gpus)!r}: {gpu!r} is not among the GPUs {where} lists."
+                )
+            checked.append(gpu)
+            continue
+        if isinstance(gpu, bool) or not isinstance(gpu, int):
             raise ValueError(
-                f"gpus={list(gpus)!r}: GPU {index} does not exist; this kernel sees {n_gpus} "
+                f"gpus={list(gpus)!r}: {gpu!r} is not a GPU index (an int) or UUID "
+                "('GPU-…', 'MIG-…', as nvidia-smi -L prints them)."
+            )
+        if not 0 <= gpu < n_gpus:
+            raise ValueError(
+                f"gpus={list(gpus)!r}: GPU {gpu} does not exist; this kernel sees {n_gpus} "
                 f"GPU(s), indices 0..{n_gpus - 1}."
             )
-    return tuple(gpus)
+        checked.append(gpu)
+    return tuple(checked)
 
 
 def _check_env(env: Mapping[str, str] | None, device: Device) -> dict[str, str]:
@@ -297,10 +395,13 @@ def seconds_or_none(text: str) -> float | None:
 
 
 def visible_gpu_count() -> int:
-    """GPUs the kernel can see, without creating a CUDA context."""
+    """GPUs the kernel can see, without creating a CUDA context (torch counts through NVML:
+    the helper and the kernel set ``PYTORCH_NVML_BASED_CUDA_CHECK``). MIG slices count one
+    each, although CUDA enumerates one of them per process."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return max(count, len(mig_slices())) if count else 0
 
 
 def check_detachable(detach: Any, cluster: Any, debug: Any = False) -> None:

@@ -20,7 +20,9 @@ PACKAGE = Path(nbddp.__file__).parent
 # side (``worker``) stands on the wire alone; ``notebook`` is the face and may use anything.
 ALLOWED = {
     "errors": set(),
-    "environment": set(),
+    # the GPUs a launch can name, read without a CUDA context; NCCL's release
+    "devices": set(),
+    "environment": {"devices"},
     "interrupts": set(),
     "recovery": set(),
     "wire": {"errors"},
@@ -34,10 +36,11 @@ ALLOWED = {
     # the plan's data: a cluster only as a type (imported under TYPE_CHECKING)
     "plan": {"environment", "recovery", "wire"},
     # options checked and resolved into a plan: every ValueError of a launch
-    "planning": {"clusters", "environment", "plan", "recovery", "wire"},
+    "planning": {"clusters", "devices", "environment", "plan", "recovery", "wire"},
     "run": {"backend", "diagnosis", "display", "interrupts", "plan", "state", "errors"},
     "local": {
         "backend",
+        "devices",
         "environment",
         "errors",
         "interrupts",
@@ -256,6 +259,21 @@ def test_a_rank_loads_no_kernel_module_and_importing_nbddp_starts_nothing():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[] []"
+
+
+def test_nbddps_own_directory_is_computed_once_for_the_rank_side():
+    """Modules of ``worker/`` tell nbddp's frames from the user's by ``worker.PACKAGE_DIR``:
+    one computed from a module's own depth breaks when the module moves (it did, twice)."""
+    import nbddp.worker
+
+    assert Path(nbddp.worker.PACKAGE_DIR) == PACKAGE
+    own = [
+        name
+        for name, path in MODULES.items()
+        if name.startswith("nbddp.worker.")
+        and "os.path.dirname(os.path.dirname(" in path.read_text()
+    ]
+    assert not own, f"use nbddp.worker.PACKAGE_DIR in: {own}"
 
 
 def test_a_detached_runs_supervisor_loads_no_notebook_face_and_no_display():

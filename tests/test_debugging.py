@@ -174,6 +174,35 @@ def test_timeout_keeps_counting_while_a_rank_waits_in_pdb(notebook):
     assert "pdb" in plain(out)  # the roll-call says where the ranks were
 
 
+def test_pdb_on_one_rank_longer_than_the_asked_timeout_does_not_fail_the_other(notebook, tmp_path):
+    """#44: rank 0 waits in all_reduce with a 2 s timeout its code asked for while the person
+    keeps rank 1 in pdb for 6 s; then c: the all_reduce completes on both ranks."""
+    waiting = tmp_path / "rank-0-waits"
+
+    def c_after_three_timeouts() -> str:
+        deadline = time.monotonic() + 60
+        while not waiting.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(6)  # the person reads rank 1's code
+        return "c"
+
+    out, reply = notebook.run_answering(
+        "%%ddp -n 2 --device cpu --display none\n"
+        "from datetime import timedelta\n"
+        "torch.distributed.init_process_group('gloo', timeout=timedelta(seconds=2))\n"
+        "if nbddp.rank() == 1:\n"
+        "    breakpoint()\n"
+        "else:\n"
+        f"    open({str(waiting)!r}, 'w').close()\n"
+        "t = torch.ones(1)\n"
+        "torch.distributed.all_reduce(t)\n"
+        "print('sum', t.item())\n",
+        Person(c_after_three_timeouts),
+    )
+    assert reply["status"] == "ok", plain(out)
+    assert "sum 2.0" in out and "timed out" not in out
+
+
 def test_the_panel_says_rank_n_in_pdb_and_no_stall_banner(notebook):
     messages: list[dict] = []
 

@@ -54,6 +54,10 @@ class Engine(Protocol):
     def release(self, intact: bool) -> None:
         """The launch is over: free (or keep, when ``intact``) what ``reserve`` took."""
 
+    def gpus(self, node_rank: int) -> tuple[str, ...] | None:
+        """The GPUs ``reserve`` took for that node's ranks, as ``CUDA_VISIBLE_DEVICES`` names
+        them; None: the node helper's own view is theirs (Slurm gives its step the GPUs)."""
+
 
 class Answer(Generic[T]):
     """The pending answer of one call to a node's helper. Hashable (``wait`` returns those of

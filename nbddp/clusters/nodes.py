@@ -63,7 +63,7 @@ class NodeStart:
     stream: bytes  # the call's pickle (its out-of-band bytes travel beside this message)
     output: Output
     user_env: Mapping[str, str]
-    gpus: tuple[int, ...]  # the node's GPU of each local rank (cuda)
+    gpus: tuple[int | str, ...]  # the GPU of each local rank (cuda): the helper's index, or a name
 
 
 def node_places(node_rank: int, nodes: int, per_node: int) -> tuple[Place, ...]:

@@ -94,7 +94,7 @@ class ClusterRanks:
                 call.stream,
                 plan.output,
                 dict(plan.env),
-                tuple(range(per_node)),
+                engine.gpus(node_rank) or tuple(range(per_node)),
             )
             starts.append(client.start(start, shared))
             if node_rank:

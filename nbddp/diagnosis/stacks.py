@@ -116,12 +116,8 @@ def place_of(report: StackReport) -> CodePlace | None:
     return CodePlace(location(user), source_line(user) or f"{user.function}()", None)
 
 
-_ASKING = tuple(
-    os.sep + os.path.join("worker", "debugging", name) for name in ("rank_pdb.py", "asking.py")
-)
-_BREAKPOINT = os.sep + os.path.join(
-    "worker", "debugging", "debugger.py"
-)  # nbddp.breakpoint(), post-mortem
+_IN = os.path.join(os.sep, "worker", "debugging", "")  # pdb, input(), nbddp.breakpoint()
+_ASKING, _BREAKPOINT = (_IN + "rank_pdb.py", _IN + "asking.py"), _IN + "debugger.py"
 
 
 def _debugging(frames: tuple[StackFrame, ...]) -> CodePlace | None:

@@ -7,6 +7,13 @@ another one compares. A rank that used more than ``BUSY`` of a core in between i
 long step that logs nothing), so the wait starts again. The watch costs nothing while the run
 makes progress: it only reads a timestamp.
 
+Except a rank that waits on its GPU for a collective: the CUDA runtime spins a core while a
+process waits in ``synchronize()`` or ``.item()`` (and NCCL's proxy thread polls), so an NCCL
+rank stuck in a collective looks as busy as one that trains. A rank whose newest collective is
+the same in both roll-calls, and which its backend says has not completed (NCCL's flight
+recorder does; gloo's does not, and a gloo rank waiting in a collective uses no CPU), is not
+working, whatever its CPU time.
+
 Non-goal: how the banner looks (``display/``), or asking the ranks (``Run.stacks``).
 """
 
@@ -17,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from nbddp.diagnosis.stacks import Stacks
+from nbddp.wire.stacks import StackReport
 
 BUSY = 0.2  # share of one core a rank must use to count as working
 
@@ -79,8 +87,17 @@ def _working(before: Stacks, after: Stacks, seconds: float) -> bool:
         a, b = before[rank], after[rank]
         if a is None or b is None:
             return True
-        if a.cpu_time is None or b.cpu_time is None:
+        if a.cpu_time is None or b.cpu_time is None or _waits_on_a_collective(a, b):
             continue
         if b.cpu_time - a.cpu_time > BUSY * seconds:
             return True
     return False
+
+
+def _waits_on_a_collective(before: StackReport, after: StackReport) -> bool:
+    """The rank's newest collective is the one it had at the last roll-call, still not
+    completed: its CPU time is a spinning wait, not work."""
+    if not before.collectives or not after.collectives:
+        return False
+    newest = after.collectives[-1]
+    return newest.completed is False and newest == before.collectives[-1]

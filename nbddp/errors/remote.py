@@ -47,7 +47,35 @@ def rank_raised(
         error = WorkerError(rank, **fields)
     if original is not None:
         error.__cause__ = original
+        let_go_of_frames(original)
     return error
+
+
+def let_go_of_frames(original: BaseException) -> None:
+    """A live exception (the one-rank run's, raised in the kernel itself) keeps ``fn``'s frames
+    through its traceback, and with them its locals: the model, the optimizer, the batch. The
+    kernel keeps the raised error (IPython's ``sys.last_value``), so its GPU memory would stay
+    taken until the next error, and a retry with a smaller batch would run out of memory again.
+    Its traceback is text by now (``traceback=``): the frames' locals go, and the memory
+    torch's allocator held for them goes back to the GPU."""
+    seen: set[int] = set()
+    error: BaseException | None = original
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            try:
+                frame.clear()
+            except RuntimeError:  # a frame still running (the kernel's own) is left as it is
+                pass
+            else:  # Python < 3.13 keeps a dict of the locals once read (a hint looked at
+                frame.f_locals  # noqa: B018  them): reading it again drops what clear() did
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 _COMBINED: dict[type, type[WorkerError] | None] = {}

@@ -163,6 +163,8 @@ def sbatch_text(
     (Slurm sends it up to a minute early or late: the lead leaves the stop time to save)."""
     python = shlex.quote(sys.executable)
     gpus = [f"#SBATCH --gpus-per-node={layout.per_node}"] if layout.device == "cuda" else []
+    if layout.per_node > 1:  # torchrun's ranks share its task's CPUs: one each at least
+        gpus.append(f"#SBATCH --cpus-per-task={layout.per_node}")
     torchrun = (
         f'exec "$PYTHON" -m torch.distributed.run --nnodes={layout.nodes} '
         '--node-rank="$SLURM_NODEID" '

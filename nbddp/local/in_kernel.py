@@ -28,7 +28,7 @@ from nbddp import interrupts
 from nbddp.backend import Finish, Outcome, RunEvents
 from nbddp.errors import LaunchTimeout
 from nbddp.errors.remote import rank_raised
-from nbddp.local.kernel_world import single_rank_world
+from nbddp.local.kernel_world import kernel_device, single_rank_world
 from nbddp.plan import LaunchPlan
 from nbddp.recovery import Saved, stopped_gracefully
 from nbddp.wire import payload
@@ -299,4 +299,4 @@ def device_name(plan: LaunchPlan) -> str:
         return "cpu"
     import torch
 
-    return torch.cuda.get_device_name(plan.gpus[0])
+    return torch.cuda.get_device_name(kernel_device(plan))

@@ -15,12 +15,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from nbddp import interrupts
+from nbddp.devices import is_mig
 from nbddp.environment import (
     RUN_ID_VARIABLE,
+    Place,
     free_port,
     is_launcher_variable,
     new_run_id,
-    single_node,
     torchrun_env,
 )
 from nbddp.plan import LaunchPlan
@@ -37,17 +38,19 @@ def single_rank_world(plan: LaunchPlan, fn: Callable[..., Any] | None = None) ->
     import torch
     import torch.distributed as dist
 
-    device = torch.device("cuda", plan.gpus[0]) if plan.device == "cuda" else torch.device("cpu")
+    device = kernel_device(plan)
+    local_rank = device.index or 0  # LOCAL_RANK is the index of the rank's own device
     run_id = new_run_id()
     saved: dict[str, str | None] = {}  # what the finally puts back
     made_group = False
     rebound: world.Rebound = []
-    previous_cuda = None
+    guard = None
     excepthook = sys.excepthook
     try:
         with interrupts.deferred():  # the world is built whole; the finally takes it down
+            place = Place(0, local_rank, 0, 1, 1, 1)
             env = {  # free_port's socket is closed, whenever the interrupt comes
-                **torchrun_env(single_node(0, 1), "127.0.0.1", free_port(), run_id),
+                **torchrun_env(place, "127.0.0.1", free_port(), run_id),
                 RUN_ID_VARIABLE: run_id,
                 **plan.env,
             }
@@ -58,19 +61,38 @@ def single_rank_world(plan: LaunchPlan, fn: Callable[..., Any] | None = None) ->
                 del os.environ[name]
             os.environ.update(env)
             if device.type == "cuda":
-                previous_cuda = torch.cuda.current_device()
-                torch.cuda.set_device(device)
+                # torch's guard: its way back creates no context on the GPU it returns to
+                guard = torch.cuda.device(device)
+                guard.__enter__()  # type: ignore[no-untyped-call]
             if dist.is_available() and not dist.is_initialized():
                 # the user's own init_process_group(rank=0, world_size=1) is answered from it
                 world.join(plan.backend, 0, 1, store=dist.HashStore())  # type: ignore[attr-defined]
                 made_group = True
                 rebound = world.answer_bound_names(_user_namespaces(fn))
-        with installed(Context(rank=0, local_rank=0, world_size=1, device=device)):
+        with installed(Context(rank=0, local_rank=local_rank, world_size=1, device=device)):
             yield
     finally:
         with interrupts.deferred():
             world.unbind(rebound)
-            _restore(saved, made_group, previous_cuda, excepthook)
+            _restore(saved, made_group, guard, excepthook)
+
+
+def kernel_device(plan: LaunchPlan) -> Any:
+    """The device the kernel runs a one-rank launch on: the plan's GPU as the kernel's
+    ``torch.cuda`` numbers it (a UUID is looked up: CUDA is about to be used anyway)."""
+    import torch
+
+    if plan.device != "cuda":
+        return torch.device("cpu")
+    gpu = plan.gpus[0]
+    if isinstance(gpu, int):
+        return torch.device("cuda", gpu)
+    if is_mig(gpu):
+        return torch.device("cuda", 0)  # the one slice this process's CUDA enumerates
+    for index in range(torch.cuda.device_count()):
+        if f"GPU-{torch.cuda.get_device_properties(index).uuid}" == gpu:
+            return torch.device("cuda", index)
+    raise ValueError(f"gpus=[{gpu!r}]: this kernel's CUDA does not see that GPU.")
 
 
 def _user_namespaces(fn: Callable[..., Any] | None) -> list[dict[str, Any]]:
@@ -105,19 +127,17 @@ def _library_directories() -> tuple[str, ...]:
 def _restore(
     saved: dict[str, str | None],
     made_group: bool,
-    previous_cuda: int | None,
+    guard: Any,
     excepthook: Callable[..., Any],
 ) -> None:
-    import torch
-
     if made_group:
         world.leave()  # the group, if the user's destroy_process_group() left it
     if made_group and getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
         # init_process_group wraps sys.excepthook to prefix "[rank0]: " and nothing unwraps
         # it: each in-kernel launch would add one more prefix to the kernel's tracebacks.
         sys.excepthook = excepthook
-    if previous_cuda is not None:
-        torch.cuda.set_device(previous_cuda)
+    if guard is not None:
+        guard.__exit__(None, None, None)
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)

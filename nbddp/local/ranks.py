@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+from nbddp.devices import shared
 from nbddp.environment import (
     device_indices,
     interface_of,
@@ -33,8 +34,8 @@ def local_ranks(
     """The ranks of ``plan`` on this machine, ready to start (nothing is open until then):
     their torchrun environment (the port of a fresh, listening rendezvous socket; the loopback
     interface) and their job spec."""
-    if not session:
-        _warn_if_kernel_holds_gpus(plan)
+    _warn_if_kernel_holds_gpus(plan)
+    _warn_if_nccl_shares_a_gpu(plan)
     run_id = new_run_id()
     loopback = interface_of("127.0.0.1")
 
@@ -71,7 +72,8 @@ def local_ranks(
 
 
 def _warn_if_kernel_holds_gpus(plan: LaunchPlan) -> None:
-    """The kernel's own CUDA memory is memory rank 0 does not have: say so, once per launch."""
+    """The kernel's own CUDA memory is memory the ranks on that GPU do not have: say so, once
+    per launch or session, naming only the GPUs where the kernel holds a CUDA context."""
     if plan.device != "cuda":
         return
     import torch
@@ -79,11 +81,24 @@ def _warn_if_kernel_holds_gpus(plan: LaunchPlan) -> None:
     if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return
     held = []
-    for index in sorted(set(plan.gpus)):
-        reserved = torch.cuda.memory_reserved(index)
-        held.append(f"GPU {index} ({reserved / 2**30:.2f} GiB reserved by PyTorch + its context)")
-    warn_user(
-        "this kernel holds a CUDA context on " + ", ".join(held) + ", which the workers also "
-        "use: they have that much less memory. If a rank runs out of memory, free it with "
-        "`del` and torch.cuda.empty_cache(), or restart the kernel before launching."
-    )
+    for index in sorted({g for g in plan.gpus if isinstance(g, int)}):
+        if not torch._C._cuda_hasPrimaryContext(index):  # type: ignore[attr-defined]
+            continue  # the kernel never used this one
+        reserved = torch.cuda.memory_reserved(index) / 2**30
+        held.append(f"GPU {index} ({reserved:.2f} GiB reserved by PyTorch, plus the context's own)")
+    if held:
+        warn_user(
+            "this kernel holds a CUDA context on " + ", ".join(held) + ", which the workers "
+            "also use: they have that much less memory. If a rank runs out of memory, free it "
+            "with `del` and torch.cuda.empty_cache(), or restart the kernel before launching."
+        )
+
+
+def _warn_if_nccl_shares_a_gpu(plan: LaunchPlan) -> None:
+    """NCCL 2.30 runs two ranks on one GPU (``planning.py`` allowed it), taking turns."""
+    if plan.device == "cuda" and plan.backend == "nccl" and shared(plan.gpus):
+        warn_user(
+            f"gpus={list(plan.gpus)} puts several NCCL ranks on one GPU: NCCL runs them "
+            "time-sliced, for correctness, not speed (its collectives spin while a peer's turn "
+            "runs). Time a run on one GPU per rank."
+        )

@@ -90,9 +90,13 @@ class SessionMagics(Magics):
         gpus = None
         if args.gpus is not None:
             try:
-                gpus = [int(g) for g in args.gpus.split(",")]
+                gpus = [
+                    g if g.startswith(("GPU-", "MIG-")) else int(g) for g in args.gpus.split(",")
+                ]
             except ValueError:
-                raise UsageError(f"--gpus {args.gpus}: give GPU indices, e.g. --gpus 0,1") from None
+                raise UsageError(
+                    f"--gpus {args.gpus}: give GPU indices or UUIDs, e.g. --gpus 0,1"
+                ) from None
         try:
             session = Session(
                 num_workers="auto" if args.num_workers is None else args.num_workers,

@@ -52,6 +52,13 @@ class SessionRanks:
         self._judge = SessionJudge(plan.world_size, plan.exit_timeout, self)
         self._loop = threading.Thread(target=self._serve, name="nbddp-session", daemon=True)
         self._task_ids = iter(range(1, 1 << 62))
+        self._called = False
+
+    def first_call(self) -> bool:
+        """Whether the call about to go is these ranks' first: it carries the kernel's random
+        state; later tasks keep the ranks' own streams (``wire/torch_settings.py``)."""
+        first, self._called = not self._called, True
+        return first
 
     # -- life --------------------------------------------------------------------------------
 

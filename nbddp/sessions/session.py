@@ -66,7 +66,7 @@ class Session(ScriptRuns):
         num_workers: int | str = "auto",
         device: str = "auto",
         backend: str | None = None,
-        gpus: Sequence[int] | None = None,
+        gpus: Sequence[int | str] | None = None,
         env: Mapping[str, str] | None = None,
         cluster: Any = None,
         nodes: int | str = "auto",
@@ -171,6 +171,7 @@ class Session(ScriptRuns):
             tuple(args),
             dict(kwargs or {}),
             segment=self._plan.cluster is None,  # on a cluster, Ray's object store carries them
+            random=ranks.first_call(),
         )
         return self._run("function", call, plan, ranks)
 
@@ -200,7 +201,8 @@ class Session(ScriptRuns):
         )
         ranks = self._ready_ranks()
         cell_args = (source, filename, inputs, out_names, show_last, deletes)
-        call = dumps_call(run_cell, cell_args, {}, names=inputs, segment=self._plan.cluster is None)
+        segment, random = self._plan.cluster is None, ranks.first_call()
+        call = dumps_call(run_cell, cell_args, {}, names=inputs, segment=segment, random=random)
         return self._run("cell", call, plan, ranks)
 
     def pull(self, *names: str) -> dict[str, Any]:

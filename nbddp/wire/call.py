@@ -4,6 +4,9 @@ tensor's own storage, moved there in place on its first launch (``in_place.py``:
 launches copy nothing), everything else copied once per launch into one segment
 (``segment.py``), however many ranks there are.
 
+The kernel's torch settings travel with it (``torch_settings.py``): each rank takes them after
+its device is set, before ``fn`` starts.
+
 A capture large enough to matter is said once, by name, before anything starts: a call whose
 shared bytes exceed ``SHARED_WARN`` of this machine's memory, or whose pickle stream itself
 (objects that are not tensors or arrays, unpickled by every rank into its own copy) exceeds
@@ -22,7 +25,7 @@ from typing import Any
 
 from nbddp.errors import SerializationError
 from nbddp.errors.notices import warn_user
-from nbddp.wire import in_place, payload
+from nbddp.wire import in_place, payload, torch_settings
 from nbddp.wire import segment as shared
 from nbddp.wire.culprit import describe, function_children, locate_unpicklable
 from nbddp.wire.messages import SharedLayout
@@ -97,12 +100,14 @@ def dumps_call(
     kwargs: dict[str, Any],
     names: Mapping[str, Any] | None = None,
     segment: bool = True,
+    random: bool = True,
 ) -> Call:
     """Pickle a launch's call; tensors and arrays go to shared memory, a CUDA tensor to be
     rebuilt on each rank's own device. ``names`` are what the call carries by the names the
     user knows them by (a ``%%ddp`` cell's inputs), for the warnings and errors. Without
     ``segment`` (a cluster: Ray's object store carries the bytes) the buffers stay views,
-    and no storage is shared in place.
+    and no storage is shared in place. The kernel's torch settings go with it, its random
+    state too unless ``random`` is False (a session's later tasks: its ranks keep theirs).
 
     A failure names the piece and the path to the culprit: ``train -> global 'lock' ->
     _thread.lock`` or ``kwargs['opt'] -> ...``."""
@@ -130,7 +135,7 @@ def dumps_call(
         stream, out_of_band, to_devices=True, in_place_min=in_place_min, in_place_max=MAX_PLACED
     )
     try:
-        pickler.dump((fn, args, kwargs))
+        pickler.dump((fn, args, kwargs, torch_settings.snapshot(random)))
     except Exception as exc:
         pieces = [(name, fn), *_pieces(fn, args, kwargs, names)]
         raise _explained(f"{name} to the workers", exc, pieces) from None
@@ -179,13 +184,17 @@ def _shared_call(stream: bytes, copies: list[memoryview], order: list[_Placed | 
 
 def loads_call(stream: bytes, layout: SharedLayout | None, fds: list[int], device: Any) -> Any:
     """A rank's side: the ``(fn, args, kwargs)`` to run, its tensors on the shared pages, and
-    those captured from the kernel's GPU on ``device``."""
+    those captured from the kernel's GPU on ``device``; the kernel's torch settings are this
+    process's from now on."""
     files = len(layout.sizes) if layout is not None else 0
     buffers = shared.map_buffers(fds[:files], layout) if layout is not None else []
     for fd in fds[files:]:
         os.close(fd)
     with payload.arriving_on(device):
-        return pickle.loads(stream, buffers=buffers)
+        fn, args, kwargs, *settings = pickle.loads(stream, buffers=buffers)
+    for each in settings:
+        torch_settings.apply(each, device)
+    return fn, args, kwargs
 
 
 def _pieces(

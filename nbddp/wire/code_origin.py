@@ -15,16 +15,28 @@ is reduced by cloudpickle as usual. Whatever a cloudpickle release does to the c
 first line, they are put back as the kernel knew them. Loading it needs the standard library and
 cloudpickle only, so an exported script (which has no nbddp) gets the same frames.
 
+Modules travel by name, whatever their class. cloudpickle pickles a module by reference only
+when its type is exactly ``types.ModuleType``; torch puts instances of its own module classes
+into ``sys.modules`` (``torch.backends.cudnn`` is a ``CudnnModule``, ``torch.backends`` a
+``GenericModule``), and cloudpickle's by-value fallback then fails with ``cannot pickle
+'CudnnModule' object``: a notebook that ran ``import torch.backends.cudnn as cudnn`` or
+``torch.backends.cudnn.benchmark = True`` could not launch. So any object that stands in
+``sys.modules`` under a name (other than a plain module, which cloudpickle handles, and a module
+registered to be pickled by value) is pickled as ``subimport(name)``: the receiving process
+imports it and takes what its ``sys.modules`` holds under that name.
+
 Non-goal: carrying the cell's source lines (the launch's ``Job`` carries them already).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from typing import Any
 
 import cloudpickle
+from cloudpickle import cloudpickle as _cloudpickle_impl
 
 
 class OriginPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle is untyped
@@ -35,10 +47,16 @@ class OriginPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle is
         # The copies cloudpickle reduces itself, by id: held until the pickler goes, so no
         # other object can take an id while the stream is written.
         self._copies: dict[int, types.CodeType] = {}
+        self._standing = standing_in_sys_modules()
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is types.CodeType:
             return self._with_origin(obj)
+        name = self._standing.get(id(obj))
+        if name is None and isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType:
+            name = getattr(obj, "__name__", None)  # one that came since the table was read
+        if isinstance(name, str) and sys.modules.get(name) is obj:
+            return _cloudpickle_impl.subimport, (name,)
         return super().reducer_override(obj)
 
     def _with_origin(self, code: types.CodeType) -> Any:
@@ -52,3 +70,29 @@ class OriginPickler(cloudpickle.Pickler):  # type: ignore[misc] # cloudpickle is
             co_firstlineno=code.co_firstlineno,
         )
         return put_back, (copy,)
+
+
+_found: tuple[int, dict[int, str]] = (-1, {})  # (len(sys.modules), what it held then)
+
+
+def standing_in_sys_modules() -> dict[int, str]:
+    """Every object ``sys.modules`` holds that cloudpickle would not pickle by name itself, by
+    ``id``, with its name there: module-like objects (torch's ``CudnnModule``...) and any other
+    object a library put there. Plain modules are cloudpickle's (they may be pickled by value:
+    ``cloudpickle.register_pickle_by_value``), and so is a module registered that way. Read
+    again when ``sys.modules`` grew or shrank (an entry is checked again when it is used)."""
+    global _found
+    size, standing = _found
+    if size == len(sys.modules):
+        return standing
+    standing = {}
+    for name, obj in list(sys.modules.items()):
+        if obj is None or type(obj) is types.ModuleType:
+            continue
+        if isinstance(obj, types.ModuleType) and _cloudpickle_impl._is_registered_pickle_by_value(
+            obj
+        ):
+            continue
+        standing.setdefault(id(obj), name)
+    _found = (len(sys.modules), standing)
+    return standing

@@ -45,7 +45,7 @@ def storage_file(tensor: Any) -> tuple[int, int] | None:
     """The shared memory file holding ``tensor``'s storage, as ``(descriptor, size)``, after
     moving the storage there if it was not; None when it stays where it is (see above). The
     descriptor is the storage's own: the caller duplicates it to keep it."""
-    if not tensor.is_contiguous():
+    if not tensor.is_contiguous() or _pinned(tensor):
         return None
     storage = tensor.untyped_storage()
     try:
@@ -56,6 +56,15 @@ def storage_file(tensor: Any) -> tuple[int, int] | None:
     except (RuntimeError, OSError, AttributeError):
         return None  # another sharing strategy, or /dev/shm refused: the copy does it
     return int(fd), int(size)
+
+
+def _pinned(tensor: Any) -> bool:
+    """Page-locked memory (``pin_memory()``) stays as it is: moved to ``/dev/shm`` it would be
+    pageable again, and the kernel's ``non_blocking`` copies from it synchronous. Only a
+    process that initialised CUDA can have pinned memory (asking elsewhere would start CUDA)."""
+    import torch
+
+    return bool(torch.cuda.is_initialized() and tensor.is_pinned())  # type: ignore[no-untyped-call]
 
 
 def _room_for(nbytes: int) -> bool:

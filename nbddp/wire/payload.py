@@ -26,6 +26,8 @@ from nbddp.errors import SerializationError
 from nbddp.wire import in_place
 from nbddp.wire.code_origin import OriginPickler
 from nbddp.wire.culprit import locate_unpicklable
+from nbddp.wire.on_cpu import cpu_copy
+from nbddp.wire.on_cpu import to_cpu as to_cpu  # the one-rank run's value, where callers find it
 
 PROTOCOL = 5
 _ARRIVAL_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar("arrival", default=None)
@@ -70,13 +72,15 @@ class TransferPickler(OriginPickler):
         if torch is not None:
             if isinstance(obj, torch.Tensor):
                 moved = obj.device.type not in ("cpu", "meta")
-                tensor = _cpu_copy(torch, obj) if moved else obj
+                tensor = cpu_copy(torch, obj) if moved else obj
                 if self._out_of_band and _is_plain_dense(torch, tensor):
                     where = self._in_place(tensor) if not moved else None  # first: it moves
                     reduced = _tensor_as_buffer(torch, tensor, moved and self._to_devices)
                     if where is not None:
                         self.placed[id(reduced[1][0])] = where
                     return reduced
+                if moved and self._to_devices:  # sparse, quantized, a subclass: theirs, moved
+                    return _arriving, (tensor,)
                 if moved:
                     return tensor.__reduce_ex__(PROTOCOL)
             elif isinstance(obj, torch.nn.parallel.DistributedDataParallel):
@@ -144,6 +148,19 @@ def _rebuild_tensor(
     return tensor.requires_grad_(requires_grad) if tensor.is_floating_point() else tensor
 
 
+def _arriving(tensor: Any) -> Any:
+    """A tensor that left the kernel's GPU in its own format (not as bytes): on this rank's
+    device, as the plain ones are (``_rebuild_tensor``)."""
+    target = _ARRIVAL_DEVICE.get()
+    if target is None:
+        return tensor
+    import torch
+
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(tensor.data.to(target), requires_grad=tensor.requires_grad)
+    return tensor.to(target)
+
+
 @contextlib.contextmanager
 def arriving_on(device: Any) -> Iterator[None]:
     """Tensors that left the kernel from a GPU arrive on ``device`` (the rank's own) while
@@ -153,13 +170,6 @@ def arriving_on(device: Any) -> Iterator[None]:
         yield
     finally:
         _ARRIVAL_DEVICE.reset(token)
-
-
-def _cpu_copy(torch: Any, tensor: Any) -> Any:
-    cpu = tensor.detach().cpu()
-    if isinstance(tensor, torch.nn.Parameter):
-        return torch.nn.Parameter(cpu, requires_grad=tensor.requires_grad)
-    return cpu.requires_grad_(tensor.requires_grad) if cpu.is_floating_point() else cpu
 
 
 def _identity(obj: Any) -> Any:
@@ -279,23 +289,3 @@ def notebook_sources() -> dict[str, tuple[Any, ...]]:
 
 def install_sources(sources: dict[str, tuple[Any, ...]]) -> None:
     linecache.cache.update(sources)
-
-
-def to_cpu(value: Any) -> Any:
-    """In-kernel counterpart of the transfer pickler, for the fallback: no pickling, no copy of
-    what already is on the CPU. Walks plain containers; moves tensors and modules to the CPU;
-    unwraps DDP. Other objects are returned as they are."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return value
-    if isinstance(value, torch.nn.parallel.DistributedDataParallel):
-        value = value.module
-    if isinstance(value, torch.nn.Module):
-        return value.cpu()
-    if isinstance(value, torch.Tensor):
-        return _cpu_copy(torch, value) if value.device.type not in ("cpu", "meta") else value
-    if type(value) is dict:
-        return {key: to_cpu(item) for key, item in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(to_cpu(item) for item in value)
-    return value

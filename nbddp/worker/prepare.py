@@ -6,7 +6,10 @@
   (shuffling when the loader shuffled; seed 0 on every rank, so shards are disjoint), and each
   new pass over the loader moves the sampler to the next epoch: no ``set_epoch`` calls needed;
 * with ``move_to_device`` and a non-CPU device, each batch (tensors inside tuples, lists, dicts,
-  namedtuples) arrives on ``nbddp.device()``.
+  namedtuples; an object with its own ``.to()``, such as ``PackedSequence``, a PyG ``Batch`` or
+  HF's ``BatchEncoding``, through it) arrives on ``nbddp.device()``; on a GPU the loader pins
+  its batches' memory (``pin_memory=True``, unless it said otherwise with a
+  ``pin_memory_device``), so that the copies overlap with the work.
 
 Loaders over an ``IterableDataset`` cannot be sharded by a sampler: they are passed through
 with a warning, and the dataset should shard itself with ``nbddp.rank()``.
@@ -14,6 +17,7 @@ with a warning, and the dataset should shard itself with ``nbddp.rank()``.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Iterator, Mapping
@@ -161,6 +165,8 @@ class _PreparedLoader(DataLoader[Any]):
             settings.pop("drop_last", None)
         else:
             settings["sampler"] = sampler
+        if target is not None and target.type == "cuda" and not settings.get("pin_memory_device"):
+            settings["pin_memory"] = True  # so non_blocking copies overlap with the work
         super().__init__(original.dataset, **settings)
         self._target = target
         self._epoch = 0
@@ -179,8 +185,21 @@ class _PreparedLoader(DataLoader[Any]):
 def _to_device(batch: Any, target: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(target, non_blocking=True)
+    own = getattr(batch, "to", None)
+    if callable(own) and not isinstance(batch, type):
+        # its own move: PackedSequence keeps batch_sizes on the CPU (RNNs need it there)
+        try:
+            return own(target, non_blocking=True)
+        except TypeError:  # a .to() that takes the device alone
+            return own(target)
     if isinstance(batch, Mapping):
-        return type(batch)({k: _to_device(v, target) for k, v in batch.items()})  # type: ignore[call-arg]
+        moved = {k: _to_device(v, target) for k, v in batch.items()}
+        try:
+            same_kind = copy.copy(batch)  # a defaultdict keeps its default
+            same_kind.update(moved)  # type: ignore[attr-defined]
+            return same_kind
+        except Exception:  # a mapping that cannot be copied or changed: a plain dict
+            return moved
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(_to_device(v, target) for v in batch))
     if isinstance(batch, (list, tuple)):

@@ -72,7 +72,7 @@ def test_lambdas_closures_and_local_classes_travel_by_value():
             return 2 * x * scale
 
     call = dumps_call(lambda x: Local().double(x), (7,), {})
-    fn, args, kwargs = cloudpickle.loads(call.stream)
+    fn, args, kwargs, _settings = cloudpickle.loads(call.stream)  # + the torch settings
     assert fn(*args, **kwargs) == 42
 
 

@@ -122,7 +122,8 @@ def test_the_pickle_stream_stays_small_and_the_bytes_go_to_one_segment(monkeypat
     big = torch.ones(25_000_000)  # 100 MB
     call = calls.dumps_call(lambda: big.sum(), (), {})
     try:
-        assert len(call.stream) < 10_000
+        # the lambda and the kernel's torch settings (its random state: about 8 KB), no tensor
+        assert len(call.stream) < 20_000
         assert call.shared_size >= big.nbytes and len(call.fds) == 1
     finally:
         call.close()

@@ -192,12 +192,55 @@ class RayCluster:
             self._infos.pop(node_id, None)
 
 
+def lease_gpus(placement: Any, nodes: int, per_node: int) -> list[tuple[str, ...]]:
+    """The GPUs Ray gives each bundle of ``placement``, by bundle: a small actor in each
+    bundle holds its GPUs for as long as the placement group lives, and says which they are.
+    The node helpers hold no GPU (they live outside any launch's reservation), so Ray hides
+    every GPU from them (``CUDA_VISIBLE_DEVICES=""``): without the lease their ranks would
+    take GPUs 0..k-1 whatever Ray reserved, on a node where others hold GPU 0 too."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from nbddp.clusters.ray.node import GpuLease
+
+    key = placement.id.hex()
+    with _lock:
+        held = _leases.get(key)
+    if held is None:
+        remote = ray.remote(GpuLease)
+        actors = [
+            remote.options(
+                num_cpus=0,
+                num_gpus=per_node,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement, placement_group_bundle_index=index
+                ),
+            ).remote()
+            for index in range(nodes)
+        ]
+        asked = [actor.ids.remote() for actor in actors]  # type: ignore[union-attr]
+        ids = [tuple(found) for found in ray.get(asked)]
+        held = (actors, ids)
+        with _lock:
+            _leases[key] = held
+    return list(held[1])
+
+
+_leases: dict[str, tuple[list[Any], list[tuple[str, ...]]]] = {}  # placement id: (actors, ids)
+
+
 def _remove(placement: Any) -> None:
     import contextlib
 
+    import ray
     from ray.exceptions import RayError
     from ray.util import remove_placement_group
 
+    with _lock:
+        held = _leases.pop(placement.id.hex(), None)
+    for actor in held[0] if held is not None else ():
+        with contextlib.suppress(RayError, ConnectionError):
+            ray.kill(actor)
     with contextlib.suppress(RayError, ConnectionError):
         remove_placement_group(placement)
 

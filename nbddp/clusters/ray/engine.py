@@ -2,9 +2,11 @@
 
 * Reservation: one placement group reserves ``workers_per_node`` ranks' worth of resources
   (GPUs on cuda, CPUs on cpu) on each of ``nodes`` nodes (``STRICT_SPREAD``, one bundle per
-  node); bundle i's node is node rank i. It is kept a few seconds after the launch for the
-  next launch of the same shape (``RayCluster.keep_reservation``: Ray readies a new one made
-  right after a removal only 0.5-1 s later), removed at once when a node was lost.
+  node); bundle i's node is node rank i. On cuda an actor in each bundle holds its GPUs and
+  says which Ray gave it: those are the ranks' (``cluster.lease_gpus``). The reservation is
+  kept a few seconds after the launch for the next launch of the same shape
+  (``RayCluster.keep_reservation``: Ray readies a new one made right after a removal only
+  0.5-1 s later), removed at once when a node was lost.
 * Calls are actor method calls on each node's helper (``node.py``); the call's bytes go to
   Ray's object store once; the poll loop waits with ``ray.wait``; a helper that does not
   answer is ended with ``ray.kill``.
@@ -40,6 +42,7 @@ class RayEngine:
         self._ray = cluster.connect()
         self._placement: Any = None
         self._shape: Any = None
+        self._gpus: list[tuple[str, ...]] = []
 
     def reserve(self, plan: LaunchPlan) -> list[Any]:
         from ray.util import placement_group, placement_group_table
@@ -60,7 +63,15 @@ class RayEngine:
                 "them, or ask for fewer nodes or ranks per node."
             )
         bundles = placement_group_table(self._placement)["bundles_to_node_id"]
+        if unit == "GPU":
+            from nbddp.clusters.ray.cluster import lease_gpus
+
+            self._gpus = lease_gpus(self._placement, plan.nodes, plan.workers_per_node)
         return [bundles[index] for index in range(plan.nodes)]
+
+    def gpus(self, node_rank: int) -> tuple[str, ...] | None:
+        """The GPUs Ray reserved for node rank ``node_rank``'s ranks (cuda)."""
+        return self._gpus[node_rank] if node_rank < len(self._gpus) else None
 
     def info(self, node: Any) -> dict[str, Any]:
         return self._cluster.info(node)

@@ -17,3 +17,13 @@ class NodeHelper(NodeCore):
         import ray
 
         super().__init__(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+
+
+class GpuLease:
+    """Holds one reservation bundle's GPUs on its node for the ranks nbddp starts there
+    (``cluster.lease_gpus``), and says which Ray gave it."""
+
+    def ids(self) -> list[str]:
+        import ray
+
+        return [str(i) for i in ray.get_runtime_context().get_accelerator_ids()["GPU"]]

@@ -266,8 +266,8 @@ def _sbatch_options(
     if nodes is not None:
         options.append(f"--nodes={nodes}")
     options.append("--ntasks-per-node=1")
-    if gpus_per_node:
-        options.append(f"--gpus-per-node={gpus_per_node}")
+    if gpus_per_node:  # and a CPU per GPU rank at least (Slurm gives one per task otherwise)
+        options += [f"--gpus-per-node={gpus_per_node}", f"--cpus-per-task={gpus_per_node}"]
     if time is not None:
         valid = isinstance(time, int) and not isinstance(time, bool) and time > 0
         if not valid and not (isinstance(time, str) and time and not time.startswith("-")):

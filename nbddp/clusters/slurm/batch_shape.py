@@ -47,8 +47,8 @@ def batch_shape(
     options += [f"--nodes={count}", "--ntasks-per-node=1"]
     if resolved == "cuda":
         options.append(f"--gpus-per-node={per_node}")
-    elif per_node > 1:
-        options.append(f"--cpus-per-task={per_node}")
+    if per_node > 1 and not any(o.startswith("--cpus-per-task=") for o in options):
+        options.append(f"--cpus-per-task={per_node}")  # a CPU per rank at least
     return resolved, count, per_node, list(dict.fromkeys(options))
 
 

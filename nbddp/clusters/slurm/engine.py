@@ -59,5 +59,8 @@ class SlurmEngine:
     def kill(self, node: HelperLink) -> None:
         node.close()
 
+    def gpus(self, node_rank: int) -> tuple[str, ...] | None:
+        return None  # the helper's step holds the node's GPUs (srun --gpus-per-node)
+
     def release(self, intact: bool) -> None:
         """Nothing to free: the allocation stays for the next launch."""

@@ -185,7 +185,10 @@ class HelperStep:
         command = ["srun", f"--jobid={self.job_id}", "--overlap", f"--nodes={count}"]
         command += [f"--ntasks={count}", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
         command += [f"--nodelist={','.join(n.id for n in self.nodes)}", "--job-name=nbddp"]
-        command += ["--cpus-per-task=1", "--mem=0"]
+        # the ranks the helper forks stay in its step's cgroup and CPU set: it takes every CPU
+        # the job holds on its node (steps overlap), or all GPU ranks would share one core
+        cpus = max(1, min((int(n.cpus) for n in self.nodes), default=1))
+        command += [f"--cpus-per-task={cpus}", "--mem=0"]
         gpus = min((int(n.gpus) for n in self.nodes), default=0)
         if gpus:  # the helpers (and so the ranks) see the node's GPUs the job holds
             command.append(f"--gpus-per-node={gpus}")

@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Any
 
 from nbddp.wire.prompts import LeftPdb, Prompt, Quit, Release, Reply
+from nbddp.worker.diagnosis import collective_watch
 from nbddp.worker.streams import flush_output
 
 _ORIGINAL_INPUT = builtins.input
@@ -70,8 +71,10 @@ class Link:
         asked = self._asked[seq] = _Asked()
         try:
             flush_output()  # what the rank printed before goes before, in the cell
-            self.send(Prompt(self.rank, seq, kind, text, prompt, at))
-            asked.done.wait()  # an interrupt (a session's stop) ends the wait
+            # while a person answers, no rank's collective times out (collective_watch.py)
+            with collective_watch.held():
+                self.send(Prompt(self.rank, seq, kind, text, prompt, at))
+                asked.done.wait()  # an interrupt (a session's stop) ends the wait
         finally:
             del self._asked[seq]
         reply = asked.reply

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from types import FrameType, ModuleType, TracebackType
 from typing import Any
@@ -78,6 +79,16 @@ def _from_user_code(error: BaseException) -> TracebackType | None:
     return traceback
 
 
+_failed_at: dict[int, tuple[BaseException, float]] = {}  # by id (exceptions take no weakref)
+
+
+def failed_at(error: BaseException) -> float | None:
+    """When ``error`` stopped its rank in post-mortem pdb (None: it did not); asked once,
+    when the failure is reported."""
+    held = _failed_at.pop(id(error), None)
+    return held[1] if held is not None and held[0] is error else None
+
+
 def post_mortem(error: BaseException) -> None:
     """With ``debug=True``: pdb at the frame that raised ``error``, before the rank reports it.
     An interrupt ends it (the report goes on)."""
@@ -91,6 +102,7 @@ def post_mortem(error: BaseException) -> None:
         return
     from nbddp.worker.debugging.rank_pdb import RankPdb
 
+    _failed_at[id(error)] = (error, time.time())  # the failure's time, not pdb's end
     debugger = RankPdb(link, "post-mortem")
     debugger.message(
         f"nbddp: rank {link.rank} raised {type(error).__name__}: {error}\n"

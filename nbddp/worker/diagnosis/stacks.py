@@ -146,19 +146,15 @@ def recent_collectives() -> tuple[tuple[Collective, ...], str]:
     import torch
 
     c10d: Any = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_fr_trace", None)
-    if dump is None:
+    if getattr(c10d, "_dump_fr_trace", None) is None:
         return (), (
             f"which collective each rank is in is unknown: torch {torch.__version__} has no "
             "flight recorder for this backend (torch >= 2.8 has one)"
         )
     try:
-        trace = pickle.loads(
-            dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
-        )
+        entries = flight_entries(_backend(dist), strict=True)
     except Exception as exc:
         return (), f"torch's flight recorder could not be read ({type(exc).__name__}: {exc})"
-    entries = trace.get("entries", []) if isinstance(trace, dict) else []
     if not entries:
         size = os.environ.get(
             "TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
@@ -173,6 +169,7 @@ def recent_collectives() -> tuple[tuple[Collective, ...], str]:
     for entry in entries[-RECENT_COLLECTIVES:]:
         name = str(entry.get("profiling_name", "?"))
         state = entry.get("state")
+        nccl = name.startswith("nccl:")
         recent.append(
             Collective(
                 seq=int(entry.get("collective_seq_id") or 0),
@@ -180,10 +177,56 @@ def recent_collectives() -> tuple[tuple[Collective, ...], str]:
                 sizes=tuple(tuple(int(d) for d in s) for s in entry.get("input_sizes") or ()),
                 dtypes=tuple(str(d) for d in entry.get("input_dtypes") or ()),
                 group=str((entry.get("process_group") or ("", ""))[-1]),
-                completed=True if state == "completed" else None,
+                # NCCL's recorder marks completion (its watchdog sees the GPU finish); gloo's
+                # leaves every entry "scheduled"
+                completed=True if state == "completed" else (False if nccl else None),
             )
         )
     return tuple(recent), ""
+
+
+def _backend(dist: Any) -> str:
+    try:
+        return str(dist.get_backend())
+    except Exception:  # the default group went meanwhile
+        return ""
+
+
+def flight_entries(backend: str | None, strict: bool = False) -> list[dict[str, Any]]:
+    """torch's flight-recorder entries for ``backend``, oldest first. torch keeps two
+    recorders: gloo's (``_dump_fr_trace``, the CPU one) and NCCL's (``_dump_nccl_trace``, which
+    records CUDA events and completion); a ``cpu:gloo,cuda:nccl`` group writes to both, and
+    ``None`` reads whichever the current default group uses. ``strict``: a dump that fails
+    raises (else: no entries)."""
+    import torch
+
+    c10d: Any = torch._C._distributed_c10d
+    if backend is None:
+        dist = sys.modules.get("torch.distributed")
+        backend = _backend(dist) if dist is not None and dist.is_initialized() else ""
+    names = {part.rpartition(":")[2].strip() for part in backend.lower().split(",")}
+    dumps = [
+        getattr(c10d, dump, None)
+        for dump, wanted in (("_dump_fr_trace", "gloo"), ("_dump_nccl_trace", "nccl"))
+        if wanted in names
+    ]
+    entries: list[dict[str, Any]] = []
+    for dump in dumps:
+        if dump is None:
+            continue
+        try:
+            trace = pickle.loads(
+                dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+            )
+        except Exception:
+            if strict:
+                raise
+            continue
+        found = trace.get("entries", []) if isinstance(trace, dict) else []
+        entries += [e for e in found if isinstance(e, dict)]
+    if len(dumps) > 1:
+        entries.sort(key=lambda e: e.get("time_created_ns") or 0)
+    return entries
 
 
 # -- processes the rank forked -----------------------------------------------------------------

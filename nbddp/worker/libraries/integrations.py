@@ -7,7 +7,8 @@ and only when (and if) the library is imported:
   bars too): on rank 0 a bar becomes a panel bar (count, rate, ETA; nested when nested)
   instead of text; on other ranks it is silent unless ``output="all"``.
 * **Hugging Face**, **Lightning** and **Accelerate**: their own extension points give the
-  panel what they log (``trainers.py``).
+  panel what they log (``trainers.py``); the collective timeout each asks for is enforced
+  (``timeouts.py``).
 
 A library that is absent costs nothing: the hooks wait for an import that never comes. An
 integration that fails warns once and leaves the library as it was.
@@ -28,7 +29,7 @@ from nbddp.errors import NbddpWarning
 from nbddp.worker import live
 from nbddp.worker.context import rank
 from nbddp.worker.debugging import debugger
-from nbddp.worker.libraries import catalyst_engines, launchers, trainers
+from nbddp.worker.libraries import catalyst_engines, launchers, timeouts, trainers
 from nbddp.worker.output import rich
 
 Patch = Callable[[ModuleType], None]
@@ -114,6 +115,8 @@ def install(output: str) -> None:
         "pytorch_lightning.trainer.trainer": trainers.patch_lightning,
         "accelerate.accelerator": trainers.patch_accelerate,
         "accelerate.data_loader": trainers.patch_accelerate_loaders,
+        "accelerate.state": timeouts.patch_accelerate_state,  # their collective timeouts
+        **dict.fromkeys(timeouts.LIGHTNING_DISTRIBUTED, timeouts.patch_lightning_distributed),
         "torch.distributed.launcher.api": launchers.guard_elastic,
         "IPython.core.display_functions": rich.install(),  # display() into the cell
         "catalyst.runners.runner": catalyst_engines.patch,

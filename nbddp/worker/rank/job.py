@@ -4,6 +4,7 @@ kernel is gone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -12,14 +13,16 @@ from typing import TYPE_CHECKING, Any
 from nbddp.errors import SerializationError
 from nbddp.wire import payload
 from nbddp.wire.frames import Connection, Frame
-from nbddp.wire.messages import DeviceName, Job, Result, Unsendable
+from nbddp.wire.messages import DeviceName, Failed, Job, Result, Unsendable
 from nbddp.wire.spec import JobSpec
 from nbddp.wire.stacks import AskStacks
-from nbddp.worker.diagnosis import stacks
+from nbddp.worker.diagnosis import collective_watch, stacks
 
 if TYPE_CHECKING:
     from nbddp.worker.context import Context
 from nbddp.worker.rank import notebook_code
+from nbddp.worker.rank.report import error_report
+from nbddp.worker.streams import flush_output
 
 
 def receive_job(conn: Connection, rank: int) -> Frame:
@@ -82,6 +85,7 @@ def prepare(spec: JobSpec, rank: int, conn: Connection) -> Context:
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         conn.send(DeviceName(rank, name))
+    watch_collectives(conn, rank)
     return Context(
         rank=rank,
         local_rank=int(os.environ["LOCAL_RANK"]),
@@ -91,6 +95,28 @@ def prepare(spec: JobSpec, rank: int, conn: Connection) -> Context:
 
 
 _FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}
+
+
+def finish_device_work() -> None:
+    """Wait for the GPU work this rank queued (NCCL collectives included): an NCCL
+    ``all_reduce`` returns at once, and a rank that ends before its kernel ran would leave its
+    peers waiting in theirs. A slow peer makes this wait, as the next collective would; one
+    that never comes is the collective watch's (``collective_watch.py``)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def watch_collectives(conn: Connection, rank: int) -> None:
+    """A collective that waits past its timeout ends this rank, reported as its failure."""
+
+    def fail(error: BaseException) -> None:
+        with contextlib.suppress(OSError, EOFError):
+            conn.send(Failed(rank, error_report(error)))
+        flush_output()
+        kill_own_group()
+
+    collective_watch.configure(fail)
 
 
 def join_process_group(
@@ -105,8 +131,9 @@ def join_process_group(
     paid). Rank 0 serves the store on it; every rank builds what ``env://`` would build."""
     from nbddp.worker.rank import world
 
-    if spec.backend == "gloo" and not _FLIGHT_RECORDER & set(os.environ):
-        # torch's flight recorder says which collective a rank is in (the default in newer torch)
+    if not _FLIGHT_RECORDER & set(os.environ):
+        # torch's flight recorder says which collective a rank is in (the default in newer
+        # torch): gloo's and NCCL's recorders both read it
         os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     world.join(spec.backend, rank, world_size, _rendezvous_store(rank, world_size, store_socket))
 
@@ -131,7 +158,11 @@ def _rendezvous_store(rank: int, world_size: int, listening: int | None) -> Any:
 
 
 def send_result(conn: Connection, rank: int, value: Any, early: bool, wanted: bool) -> bool:
-    """The rank's value (pickled only when ``wanted``), or why it cannot travel; True if sent."""
+    """The rank's value (pickled only when ``wanted``), or why it cannot travel; True if sent.
+    First the rank's GPU work completes: a collective ``fn`` issued just before it returned
+    must not die with this process (a peer would then wait for its half for ever)."""
+    finish_device_work()
+    collective_watch.disarm()  # the job's code is over: nothing of it can time out now
     try:
         stream, buffers = (
             payload.dumps_oob(value, what="the result", root="result") if wanted else (None, [])

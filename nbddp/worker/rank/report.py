@@ -16,6 +16,8 @@ from nbddp.wire import payload
 from nbddp.wire.frames import Connection
 from nbddp.wire.messages import Bars, BarSnapshot, Block, ErrorReport, MainRows, Rows
 from nbddp.worker import PACKAGE_DIR
+from nbddp.worker.debugging import debugger
+from nbddp.worker.diagnosis import collective_watch
 
 _exit: tuple[BaseException, int] | None = None  # the exit code a script's failure has
 
@@ -28,6 +30,9 @@ def note_exit(exc: BaseException, code: int) -> None:
 
 
 def error_report(exc: BaseException) -> ErrorReport:
+    """The rank's failure as the kernel gets it, stamped when it was raised: a post-mortem
+    pdb that held it for minutes does not make a peer's later failure look first."""
+    collective_watch.disarm()  # the job's code is over: nothing of it can time out now
     try:
         original: bytes | None = payload.dumps_exception(exc)
     except BaseException:
@@ -38,7 +43,7 @@ def error_report(exc: BaseException) -> ErrorReport:
         message=message_of(exc),
         traceback=format_user_traceback(exc),
         exception=original,
-        time=time.time(),
+        time=debugger.failed_at(exc) or time.time(),
         mro=tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__),
         module=cls.__module__,
         hint=hint_for(exc),

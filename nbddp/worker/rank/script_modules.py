@@ -38,9 +38,9 @@ import sys
 import sysconfig
 from collections.abc import Iterable
 
+from nbddp.worker import PACKAGE_DIR
 from nbddp.worker.helper.preload import _library_roots, drop
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SOURCES = (".py", ".pyc")
 _MAINS = ("__main__", "__mp_main__")  # the rank's own launch script, never the user's module
 
@@ -62,7 +62,7 @@ def local_file(module: object, roots: tuple[str, ...]) -> str | None:
 @functools.cache
 def library_roots() -> tuple[str, ...]:
     """The interpreter's libraries and nbddp's own package, as named and as resolved."""
-    roots = {*_library_roots(), _PACKAGE, os.path.realpath(_PACKAGE) + os.sep}
+    roots = {*_library_roots(), PACKAGE_DIR, os.path.realpath(PACKAGE_DIR) + os.sep}
     paths = sysconfig.get_paths()
     named = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
     roots.update(os.path.abspath(p) + os.sep for p in [*named, *site.getsitepackages()])

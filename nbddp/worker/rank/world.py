@@ -13,6 +13,12 @@ nbddp's store (``"nccl"`` on a CPU launch keeps gloo, with a warning). After the
 fresh group on the same store under a new key prefix: nothing of nbddp's depends on the first
 group surviving.
 
+The timeout the call asks for is the group's from then on, on gloo and NCCL alike, whether the
+group is rebuilt or kept: nbddp builds every group with a native timeout that never fires and
+enforces the asked one itself, holding it while a person answers a prompt on any rank
+(``worker/diagnosis/collective_watch.py``). An NCCL group is built bound to the rank's GPU
+(``device_id``): its communicator is made at once, and ``barrier()`` knows its device.
+
 Non-goals: groups the user makes with ``new_group`` (torch's own business), and processes that
 are no nbddp rank (a script under torchrun: nothing is patched there).
 """
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbddp.errors import NbddpWarning
+from nbddp.worker.diagnosis import collective_watch
 
 _ATTRIBUTE = "init_process_group"
 
@@ -52,19 +59,28 @@ class World:
         then break the peer's connecting with "Connection closed by peer"."""
         from torch.distributed.distributed_c10d import PrefixStore
 
+        backend = backend or self.backend
         prefix = "default_pg" if self.builds == 0 else f"nbddp-{self.builds}/default_pg"
         self.builds += 1
+        asked = options.pop("timeout", None)
+        if asked is not None:
+            collective_watch.ask(asked)
+        device = _own_gpu(backend) if "device_id" not in options else None
+        if device is not None:
+            options["device_id"] = device
         self.original(
-            backend=backend or self.backend,
+            backend=backend,
             store=PrefixStore(prefix, self.store),
             rank=self.rank,
             world_size=self.world_size,
+            timeout=collective_watch.NATIVE,  # the asked timeout is the watch's to enforce
             **options,
         )
         built = PrefixStore(f"nbddp-built-{self.builds}", self.store)
         if built.add("count", 1) == self.world_size:  # the last to get here tells the others
             built.set("all", "1")
         built.wait(["all"])
+        collective_watch.start(self.store, self.builds, self.rank, self.world_size, backend)
 
 
 _world: World | None = None
@@ -100,6 +116,7 @@ def leave() -> None:
     world, _world = _world, None
     if world is None:
         return
+    collective_watch.stop()
     _install(world.original)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -140,6 +157,7 @@ def ensure_group() -> None:
 
     if _world is not None and not dist.is_initialized():
         _world.build()
+    collective_watch.arm()  # a session's task starts: its collectives are watched
 
 
 def _torch_init() -> Callable[..., None]:
@@ -181,7 +199,9 @@ def _answer_impl(*args: Any, **kwargs: Any) -> None:
     options = {k: asked[k] for k in ("timeout", "device_id", "pg_options") if asked.get(k)}
     if dist.is_initialized():
         if backend is None or _names(backend) <= _names(dist.get_backend()):
-            return None  # the group nbddp made is the one asked for
+            if "timeout" in options:  # the group nbddp made, with the timeout asked for
+                collective_watch.ask(options["timeout"])
+            return None
         dist.destroy_process_group()  # every rank asks for the same backend at the same point
     world.build(backend, **options)
     return None
@@ -211,6 +231,16 @@ def _dist_backend(world: World, asked: Any) -> str | None:
 def _names(backend: str) -> set[str]:
     """The backends a torch backend string names: ``"cpu:gloo,cuda:nccl"`` -> gloo, nccl."""
     return {part.rpartition(":")[2].strip() for part in backend.lower().split(",")}
+
+
+def _own_gpu(backend: str) -> Any:
+    """The GPU an NCCL group is bound to: the rank's own (set before the group is built);
+    None for gloo, or where CUDA is not initialised (no GPU was set)."""
+    import torch
+
+    if "nccl" not in _names(backend) or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _has_gpu() -> bool:

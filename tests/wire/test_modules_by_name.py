@@ -1,0 +1,111 @@
+"""Modules travel by name, whatever their class: torch's module-like objects in ``sys.modules``
+(``torch.backends.cudnn`` is a ``CudnnModule``) in functions, closures, captured objects,
+``%%ddp`` inputs and exports alike (``wire/code_origin.py``)."""
+
+from __future__ import annotations
+
+import pickle
+import pickletools
+import sys
+import types
+
+import cloudpickle
+import pytest
+import torch
+import torch.backends.cudnn as cudnn
+
+from nbddp.exporting.pickling import ExportPickler, dumps_checked, modules_needed
+from nbddp.wire.call import dumps_call, loads_call
+from nbddp.wire.payload import check_picklable, dumps, loads
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def like_notebook_code():
+    """This module's functions by value, as cloudpickle pickles a notebook cell's."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def gpu_setup_lines():
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = True
+    return cudnn.benchmark, torch.backends
+
+
+class Config:
+    def __init__(self):
+        self.backend = cudnn  # an object that holds a module-like one
+
+
+def test_a_function_with_the_tf32_and_cudnn_lines_pickles_and_runs(like_notebook_code):
+    """The launch used to fail with ``cannot pickle 'CudnnModule' object``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cudnn, "benchmark", False)
+        patch.setattr(cudnn, "allow_tf32", True)
+        fn = loads(dumps(gpu_setup_lines, what="fn to the workers", root="fn"))
+        benchmark, backends = fn()
+        assert benchmark is True and backends is sys.modules["torch.backends"]
+
+
+def test_the_call_of_a_launch_carries_closures_and_captured_objects(like_notebook_code):
+    config = Config()
+
+    def closure():
+        return cudnn, config.backend
+
+    call = dumps_call(closure, (cudnn,), {"backends": torch.backends})
+    fn, args, kwargs = loads_call(call.stream, call.layout, call.fds, None)
+    call.close()
+    assert fn() == (cudnn, cudnn) and args == (cudnn,)
+    assert kwargs["backends"] is torch.backends
+    assert {"torch"} <= call.needs()
+
+
+def test_a_module_like_object_is_pickled_as_its_name():
+    stream = dumps(cudnn, what="x", root="x")
+    names = [arg for op, arg, _ in pickletools.genops(stream) if isinstance(arg, str)]
+    assert "torch.backends.cudnn" in names and "subimport" in names
+    assert loads(stream) is cudnn
+
+
+def test_any_object_standing_in_sys_modules_goes_by_name(monkeypatch):
+    """A library that puts a plain object into ``sys.modules`` (``sh``, ``typing.io``
+    did): it is the name the receiver imports, not the object's state."""
+
+    class Lazy:
+        def __reduce__(self):
+            raise TypeError("cannot pickle 'Lazy' object")
+
+    lazy = Lazy()
+    monkeypatch.setitem(sys.modules, "nbddp_test_lazy_module", lazy)
+    assert check_picklable(lazy) is None
+    assert loads(dumps({"m": lazy}, what="x", root="x"))["m"] is lazy
+
+
+def test_a_module_registered_by_value_still_travels_by_value():
+    module = types.ModuleType("nbddp_test_by_value")
+    module.answer = 42  # type: ignore[attr-defined]
+    sys.modules["nbddp_test_by_value"] = module
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        stream = dumps(module, what="x", root="x")
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        del sys.modules["nbddp_test_by_value"]
+    assert pickle.loads(stream).answer == 42  # rebuilt from its state: no import
+
+
+def test_a_ddp_cells_input_and_an_export_carry_them_too(like_notebook_code):
+    assert check_picklable(cudnn) is None  # %%ddp checks each input this way
+    stream = dumps_checked(
+        {"fn": gpu_setup_lines, "args": (), "kwargs": {"cudnn": cudnn}},
+        what="fn to the script",
+        pieces=[("fn", gpu_setup_lines)],
+    )
+    assert "torch" in modules_needed(stream)
+    assert pickle.loads(stream)["kwargs"]["cudnn"] is cudnn
+    assert check_picklable(torch.backends, ExportPickler) is None
