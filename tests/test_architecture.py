@@ -168,6 +168,7 @@ def imports_of(name: str) -> set[str]:
 GRAPH = {name: imports_of(name) for name in MODULES}
 
 
+@pytest.mark.unit
 def test_the_module_graph_has_no_cycle():
     state: dict[str, str] = {}
 
@@ -186,6 +187,7 @@ def test_the_module_graph_has_no_cycle():
             visit(name, [name])
 
 
+@pytest.mark.unit
 def test_every_part_imports_only_what_the_table_allows():
     wrong = []
     for name, targets in sorted(GRAPH.items()):
@@ -199,6 +201,7 @@ def test_every_part_imports_only_what_the_table_allows():
     assert not wrong, "imports the table does not allow:\n" + "\n".join(wrong)
 
 
+@pytest.mark.unit
 def test_sessions_reach_their_ranks_through_the_launch_path_only():
     """Where ranks run is picked in one place (``launch.ranks_for``), for launches and
     sessions alike: a session that imported ``local/`` or ``clusters/`` would be a second path."""
@@ -214,6 +217,7 @@ def test_sessions_reach_their_ranks_through_the_launch_path_only():
     assert "nbddp.launch" in set().union(*(GRAPH[n] for n in GRAPH if part_of(n) == "sessions"))
 
 
+@pytest.mark.unit
 def test_only_the_notebook_part_imports_ipythons_core():
     for name, path in MODULES.items():
         tree = ast.parse(path.read_text())
@@ -228,6 +232,7 @@ def test_only_the_notebook_part_imports_ipythons_core():
                     assert part_of(name) == "notebook", f"{name} imports {mods}"
 
 
+@pytest.mark.unit
 def test_the_table_rejects_a_forbidden_import():
     """The check above would catch a rank module importing the launcher: shown on a copy."""
     GRAPH["nbddp.worker.entry"].add("nbddp.environment")
@@ -242,6 +247,7 @@ def test_the_table_rejects_a_forbidden_import():
         GRAPH["nbddp.worker.entry"].discard("nbddp.environment")
 
 
+@pytest.mark.ranks
 def test_a_rank_loads_no_kernel_module_and_importing_nbddp_starts_nothing():
     code = (
         "import sys, time, psutil\n"
@@ -261,6 +267,7 @@ def test_a_rank_loads_no_kernel_module_and_importing_nbddp_starts_nothing():
 MAX_LINES = 350  # past it, split a module by job (as errors/ and local/channels.py were)
 
 
+@pytest.mark.unit
 def test_no_module_is_much_longer_than_a_screenful_or_two():
     long = {
         name: n
@@ -270,6 +277,7 @@ def test_no_module_is_much_longer_than_a_screenful_or_two():
     assert not long, f"split these by job: {long}"
 
 
+@pytest.mark.unit
 def test_the_tests_mirror_the_package():
     """A change's tests are found by its path: ``nbddp/<folder>/`` is tested in
     ``tests/<folder>/``; a test file at the top of ``tests/`` is about a top-level module or the
@@ -282,6 +290,7 @@ def test_the_tests_mirror_the_package():
     assert not misplaced, f"move these into the folder of the part they test: {misplaced}"
 
 
+@pytest.mark.unit
 def test_the_version_has_one_source():
     """``nbddp.__version__`` is the package's version: pyproject.toml reads it from there."""
     tomllib = pytest.importorskip("tomllib")
@@ -307,6 +316,7 @@ def contract_names() -> set[str]:
     return set(re.findall(r"\bnbddp\.([A-Za-z_]\w*)", API_MD.read_text()))
 
 
+@pytest.mark.unit
 def test_the_public_names_are_the_contracts():
     names = contract_names()
     assert {"notebook_launch", "Session", "WorkerError"} <= names  # the reading works
@@ -317,6 +327,7 @@ def test_the_public_names_are_the_contracts():
     assert set(nbddp.__all__) == (names - PENDING) | EXTRA
 
 
+@pytest.mark.unit
 def test_the_repositorys_copy_of_the_contract_is_current():
     if not SHARED_API_MD.exists():  # CI's clone has shared/ beside it: there this never skips
         pytest.skip(f"no contract to compare with: {SHARED_API_MD} is not beside this clone")

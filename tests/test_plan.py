@@ -6,6 +6,8 @@ from conftest import starts_nothing
 import nbddp
 from nbddp.plan import make_plan
 
+pytestmark = pytest.mark.unit
+
 
 def _noop() -> None:
     pass

@@ -17,7 +17,7 @@ from conftest import TWO_CPU_QUIET
 import nbddp
 from nbddp import NbddpWarning
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.slow]
 
 
 def stop_when_training(run: nbddp.Run, rows: int = 2, timeout: float = 120) -> object:
