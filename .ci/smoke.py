@@ -8,10 +8,16 @@ finds it (cloudpickle 3.1.3 renamed every shipped code object's file while CI st
     .ci/smoke.py oldest    a fresh venv with the oldest release pyproject.toml declares for each
                         package nbddp and the smoke tests use
 
-It prints the versions it tested beside the locked set's (.ci/constraints.txt), and when the
-subset fails it names the package that broke it: each package that differs from the locked set
-is put back to its locked version in turn, and the failed tests are run again; the first whose
-return makes them pass is named. Exit status: 0 when the subset passed, 1 otherwise.
+It prints the versions it tested beside the locked set's (.ci/constraints.txt) and how many
+smoke tests ran, passed and skipped, and when the subset fails it names the package that broke
+it: each package that differs from the locked set is put back to its locked version in turn,
+and the failed tests are run again; the first whose return makes them pass is named. That
+search stops at CULPRIT_BUDGET or at the run's deadline (``NBDDP_DEADLINE``, seconds since the
+epoch, which .ci/run sets), whichever comes first, saying what it did not try.
+
+A pip call that fails on the package index (a connection, a timeout, a 5xx: not a version that
+cannot be resolved) is an infrastructure error: it is said so and tried once more, a minute
+later. Exit status: 0 when the subset passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -47,7 +53,16 @@ WATCHED = [
 ]
 # Our test harness, not something a user's notebook runs: the locked version in both sets.
 HARNESS = {"pytest", "pytest_timeout", "psutil"}
-CULPRIT_BUDGET = 20 * 60  # seconds the search for a culprit may take
+CULPRIT_BUDGET = 20 * 60  # seconds the search for a culprit may take, at most
+ROUND = 3 * 60  # seconds one round of the search takes, about: none starts with less left
+# What pip prints when the index, not the request, failed.
+INDEX_TROUBLE = re.compile(
+    r"ConnectionError|ConnectTimeout|ReadTimeout|Read timed out|Max retries exceeded|"
+    r"Temporary failure in name resolution|Connection (?:reset|refused|aborted)|"
+    r"IncompleteRead|ProtocolError|HTTP error 5\d\d|Could not fetch URL",
+    re.IGNORECASE,
+)
+INDEX_RETRY_AFTER = 60  # seconds before the one retry
 
 
 def main() -> int:
@@ -76,6 +91,7 @@ def main() -> int:
         mark = "" if installed.get(name) == locked.get(name) else "  *"
         print(f"{name:<16} {locked.get(name, '-'):<14} {installed.get(name, '-')}{mark}")
     failed = _run_smoke(python, venv / "smoke.xml")
+    print(f"== smoke on the {which} releases: {_counts(venv / 'smoke.xml')}")
     took = time.monotonic() - started
     if failed is None:
         print(f"== smoke on the {which} releases passed ({took:.0f} s in all)")
@@ -146,9 +162,14 @@ def _name_the_culprit(
     if not tests or not moved:
         print("   no package to blame: nothing watched differs from the locked set")
         return
-    deadline = time.monotonic() + CULPRIT_BUDGET
-    for name in moved:
-        if not tests or time.monotonic() > deadline:
+    budget = culprit_budget(time.time(), os.environ.get("NBDDP_DEADLINE"))
+    print(f"   searching for the culprit for at most {budget:.0f} s")
+    deadline = time.monotonic() + budget
+    for index, name in enumerate(moved):
+        if not tests:
+            break
+        if time.monotonic() + ROUND > deadline:
+            print(f"== out of time for the search: {', '.join(moved[index:])} not put back")
             break
         print(f"-- {name} {installed[name]} -> {locked[name]} (the locked one), then {len(tests)}")
         _pip(python, env, "install", f"{name}=={locked[name]}")
@@ -163,6 +184,26 @@ def _name_the_culprit(
         print(f"== no culprit found among {', '.join(moved)}: {test}")
 
 
+def culprit_budget(now: float, deadline: str | None) -> float:
+    """Seconds the culprit search may take: CULPRIT_BUDGET, or less when the run's deadline
+    (seconds since the epoch) comes sooner; a minute is kept for the run's summary."""
+    if not deadline:
+        return CULPRIT_BUDGET
+    return max(0.0, min(CULPRIT_BUDGET, float(deadline) - now - 60))
+
+
+def _counts(report: Path) -> str:
+    """How many smoke tests ran, from the run's JUnit report."""
+    if not report.exists():
+        return "no report: the run failed before any test"
+    suite = ET.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    assert suite is not None
+    total, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
+    failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+    return f"{total} ran: {total - skipped - failed} passed, {failed} failed, {skipped} skipped"
+
+
 def _pip_env(which: str) -> dict[str, str]:
     env = dict(os.environ)
     if which == "newest":
@@ -171,7 +212,22 @@ def _pip_env(which: str) -> dict[str, str]:
 
 
 def _pip(python: str, env: dict[str, str], *args: str) -> None:
-    subprocess.run([python, "-m", "pip", "-q", *args], cwd=ROOT, env=env, check=True)
+    """pip, tried once more when the package index failed it (said so)."""
+    command = [python, "-m", "pip", "-q", *args]
+    for attempt in (1, 2):
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        sys.stdout.write(done.stdout)
+        sys.stderr.write(done.stderr)
+        if done.returncode == 0:
+            return
+        trouble = INDEX_TROUBLE.search(done.stdout + done.stderr)
+        if attempt == 2 or trouble is None:
+            raise subprocess.CalledProcessError(done.returncode, command, done.stdout, done.stderr)
+        print(
+            f"== infrastructure: pip could not reach the package index ({trouble.group(0)}); "
+            f"once more in {INDEX_RETRY_AFTER} s: pip {' '.join(args)}"
+        )
+        time.sleep(INDEX_RETRY_AFTER)
 
 
 def _versions(python: str) -> dict[str, str]:

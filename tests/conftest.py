@@ -21,7 +21,10 @@ import pytest
 TWO_CPU = {"num_workers": 2, "device": "cpu"}
 TWO_CPU_QUIET = {**TWO_CPU, "display": "none"}
 
-pytest_plugins = ["skips"]  # the skip summary, and CI's rule that only gpu tests may skip
+# The skip summary and CI's rule that only gpu tests may skip; every test in one tier, and each
+# tier's promise kept; sharing the machine under xdist (groups, the alone lock, the speed);
+# pytester, for the tests of those rules (test_ci.py).
+pytest_plugins = ["skips", "tiers", "sharing", "pytester"]
 
 
 def is_warm_helper(proc: psutil.Process) -> bool:
@@ -57,6 +60,21 @@ def wait_until(condition: Callable[[], object], timeout: float = 30.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def in_all_reduce(run: Any, rank: int) -> bool:
+    """Whether ``run``'s roll-call finds ``rank``'s main thread in torch's all_reduce, at its
+    call into the backend: it waits in native code there, where no interrupt reaches it (a
+    peer's failure interrupts it next; before the call it would return to idle instead)."""
+    report = run.stacks()[rank] if run is not None else None
+    if report is None or not report.threads[0].frames:
+        return False
+    frame = report.threads[0].frames[-1]  # the innermost
+    return (
+        frame.filename.endswith("distributed_c10d.py")
+        and frame.function == "all_reduce"
+        and ("allreduce(" in frame.line or ".wait(" in frame.line)
+    )
 
 
 def blocks(*rows: tuple) -> list:

@@ -18,6 +18,7 @@ ON_CI = os.environ.get("NBDDP_CI") == "1"
 ALLOWED = "gpu: may skip"
 REFUSED = "failed: only gpu tests may skip on CI" if ON_CI else "not gpu: would fail on CI"
 _skips: Counter[tuple[str, str]] = Counter()  # (ALLOWED or REFUSED, reason) -> tests
+REFUSED_SKIP = "nbddp: a skip refused on CI"  # a report property: its reason
 
 
 def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
@@ -33,15 +34,22 @@ def pytest_runtest_makereport(
     report = yield
     if not report.skipped or hasattr(report, "wasxfail"):
         return report
-    reason = _reason(report)
-    if item.get_closest_marker("gpu") is not None:
-        _skips[ALLOWED, reason] += 1
-        return report
-    _skips[REFUSED, reason] += 1
-    if ON_CI:
+    if ON_CI and item.get_closest_marker("gpu") is None:
+        reason = _reason(report)
         report.outcome = "failed"
         report.longrepr = f"skipped on CI, where only gpu-marked tests may skip: {reason}"
+        report.user_properties.append((REFUSED_SKIP, reason))
     return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Counted where the reports meet: under xdist, in the process that prints the summary
+    (each worker makes its reports, above, and sends them there)."""
+    refused = [value for name, value in report.user_properties if name == REFUSED_SKIP]
+    if refused:
+        _skips[REFUSED, refused[0]] += 1
+    elif report.skipped and not hasattr(report, "wasxfail"):
+        _skips[ALLOWED if "gpu" in report.keywords else REFUSED, _reason(report)] += 1
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

@@ -11,6 +11,7 @@ and log files (``%n``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -63,8 +64,14 @@ class Slurm:
         )
 
     def queue(self) -> list[str]:
-        done = self.run(["squeue", "--noheader", "--format=%i %T"])
-        return [line for line in done.stdout.splitlines() if line.strip()]
+        """The jobs and their states. A squeue that failed (slurmctld busy on a loaded
+        machine) is asked again, never read as an empty queue."""
+        for _ in range(10):
+            done = self.run(["squeue", "--noheader", "--format=%i %T"])
+            if done.returncode == 0:
+                return [line for line in done.stdout.splitlines() if line.strip()]
+            time.sleep(1)  # a poll of slurmctld, which answers again once it has caught up
+        raise RuntimeError(f"squeue failed ten times: {done.stderr.strip()}")
 
 
 def _conf(root: Path, munge_socket: Path) -> str:
@@ -175,11 +182,12 @@ def slurm_cluster(root: Path, timeout: float = 60) -> Iterator[Slurm]:
         yield slurm
     finally:
         if len(daemons) > 1:
-            for job in slurm.queue():
-                slurm.run(["scancel", job.split()[0]])
-            deadline = time.monotonic() + 15
-            while slurm.queue() and time.monotonic() < deadline:  # COMPLETING, then gone
-                time.sleep(0.3)
+            with contextlib.suppress(RuntimeError):  # one that cannot answer is ended as well
+                for job in slurm.queue():
+                    slurm.run(["scancel", job.split()[0]])
+                deadline = time.monotonic() + 15
+                while slurm.queue() and time.monotonic() < deadline:  # COMPLETING, then gone
+                    time.sleep(0.3)
         for daemon in reversed(daemons):
             daemon.send_signal(signal.SIGTERM)
         for daemon in reversed(daemons):

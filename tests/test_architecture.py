@@ -184,11 +184,13 @@ def imports_of(name: str) -> set[str]:
 GRAPH = {name: imports_of(name) for name in MODULES}
 
 
+@pytest.mark.unit
 def test_the_module_graph_has_no_cycle():
     cycles = cycles_in(GRAPH)
     assert not cycles, "import cycle: " + " -> ".join(cycles[0])
 
 
+@pytest.mark.unit
 def test_every_part_imports_only_what_the_table_allows():
     wrong = []
     for name, targets in sorted(GRAPH.items()):
@@ -202,6 +204,7 @@ def test_every_part_imports_only_what_the_table_allows():
     assert not wrong, "imports the table does not allow:\n" + "\n".join(wrong)
 
 
+@pytest.mark.unit
 def test_sessions_reach_their_ranks_through_the_launch_path_only():
     """Where ranks run is picked in one place (``ranks.ranks_for``), for launches and
     sessions alike: a session that imported ``local/`` or ``clusters/`` would be a second path."""
@@ -217,6 +220,7 @@ def test_sessions_reach_their_ranks_through_the_launch_path_only():
     assert "nbddp.launch" in set().union(*(GRAPH[n] for n in GRAPH if part_of(n) == "sessions"))
 
 
+@pytest.mark.unit
 def test_only_the_notebook_part_imports_ipythons_core():
     for name, path in MODULES.items():
         tree = ast.parse(path.read_text())
@@ -231,6 +235,7 @@ def test_only_the_notebook_part_imports_ipythons_core():
                     assert part_of(name) == "notebook", f"{name} imports {mods}"
 
 
+@pytest.mark.unit
 def test_the_table_rejects_a_forbidden_import():
     """The check above would catch a rank module importing the launcher: shown on a copy."""
     GRAPH["nbddp.worker.rank.entry"].add("nbddp.environment")
@@ -245,6 +250,7 @@ def test_the_table_rejects_a_forbidden_import():
         GRAPH["nbddp.worker.rank.entry"].discard("nbddp.environment")
 
 
+@pytest.mark.ranks
 def test_a_rank_loads_no_kernel_module_and_importing_nbddp_starts_nothing():
     code = (
         "import sys, time, psutil\n"
@@ -261,6 +267,7 @@ def test_a_rank_loads_no_kernel_module_and_importing_nbddp_starts_nothing():
     assert done.stdout.strip() == "[] []"
 
 
+@pytest.mark.unit
 def test_nbddps_own_directory_is_computed_once_for_the_rank_side():
     """Modules of ``worker/`` tell nbddp's frames from the user's by ``worker.PACKAGE_DIR``:
     one computed from a module's own depth breaks when the module moves (it did, twice)."""
@@ -276,6 +283,7 @@ def test_nbddps_own_directory_is_computed_once_for_the_rank_side():
     assert not own, f"use nbddp.worker.PACKAGE_DIR in: {own}"
 
 
+@pytest.mark.ranks
 def test_a_detached_runs_supervisor_loads_no_notebook_face_and_no_display():
     """A detached run's supervisor is headless and outlives the kernel: it loads the launch
     path and the run's model (``state/``), never IPython, the panel (``display/``),
@@ -309,6 +317,7 @@ PROMPT_LINES, WALL_LINES = 350, 500
 COPIED_WHOLE = {"nbddp.exporting.runner"}
 
 
+@pytest.mark.unit
 def test_no_module_is_much_longer_than_a_screenful_or_two(capsys: pytest.CaptureFixture[str]):
     lengths = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
     long = {name: n for name, n in lengths.items() if n > WALL_LINES}
@@ -359,6 +368,7 @@ def cycles_in(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+@pytest.mark.unit
 def test_no_cycle_between_parts_at_any_level():
     """Parts (the folders and top-level modules of ``nbddp``, and the subfolders and modules
     inside each folder) import each other without a cycle, so each can be read, and moved,
@@ -371,6 +381,7 @@ def test_no_cycle_between_parts_at_any_level():
     assert not cycles, "cycles between parts:\n" + "\n".join(cycles)
 
 
+@pytest.mark.unit
 def test_a_cycle_between_parts_is_caught():
     """The check above on a copy with ``plan -> clusters`` put back (the knot it untied)."""
     GRAPH["nbddp.plan"].add("nbddp.clusters.choice")
@@ -381,6 +392,7 @@ def test_a_cycle_between_parts_is_caught():
         GRAPH["nbddp.plan"].discard("nbddp.clusters.choice")
 
 
+@pytest.mark.unit
 def test_the_tests_mirror_the_package():
     """A change's tests are found by its path: ``nbddp/<folder>/`` (at any depth) is tested in
     ``tests/<folder>/``; a test file at the top of ``tests/`` is about a top-level module or the
@@ -407,6 +419,7 @@ def test_the_tests_mirror_the_package():
     assert not twice, f"test files with the same name in two folders (rename one): {twice}"
 
 
+@pytest.mark.unit
 def test_the_version_has_one_source():
     """``nbddp.__version__`` is the package's version: pyproject.toml reads it from there."""
     tomllib = pytest.importorskip("tomllib")
@@ -430,6 +443,7 @@ def contract_names() -> set[str]:
     return set(re.findall(r"\bnbddp\.([A-Za-z_]\w*)", API_MD.read_text()))
 
 
+@pytest.mark.unit
 def test_the_public_names_are_the_contracts():
     names = contract_names()
     assert {"notebook_launch", "Session", "WorkerError"} <= names  # the reading works
@@ -440,6 +454,7 @@ def test_the_public_names_are_the_contracts():
     assert set(nbddp.__all__) == (names - PENDING) | EXTRA
 
 
+@pytest.mark.unit
 def test_the_repositorys_copy_of_the_contract_is_current():
     if not SHARED_API_MD.exists():  # CI's clone has shared/ beside it: there this never skips
         pytest.skip(f"no contract to compare with: {SHARED_API_MD} is not beside this clone")

@@ -8,6 +8,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 # a number with a unit of time or a ratio, as the README quotes measurements: "0.079 s",
 # "~50 ms", "3×"

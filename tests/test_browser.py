@@ -26,6 +26,8 @@ import pytest
 
 from nbddp.environment import free_port
 
+# JupyterLab and chromium: one browser at a time on the machine (tests/sharing.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("browser")]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CELL = """\
 import time

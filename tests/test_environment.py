@@ -56,6 +56,7 @@ def inside_a_slurm_job(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", f"{srun.parent}{os.pathsep}{os.environ['PATH']}")
 
 
+@pytest.mark.unit
 def test_no_launcher_variable_reaches_a_ranks_environment(inside_a_slurm_job):
     env = worker_env(
         single_node(1, 2),
@@ -83,6 +84,7 @@ def test_no_launcher_variable_reaches_a_ranks_environment(inside_a_slurm_job):
     assert env["NBDDP_TEST_KEPT"] == "kept"  # anything else is the kernel's, as before
 
 
+@pytest.mark.unit
 def test_the_filter_keeps_what_is_no_launchers():
     kept = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3", "SLURMY": "1", "OMP_NUM_THREADS": "4"}
     assert without_launchers({**kept, **INHERITED}) == kept
@@ -126,6 +128,7 @@ def what_lightning_sees() -> dict:
 _CONTRACT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_lightning_in_the_ranks_sees_nbddps_world_not_slurms(inside_a_slurm_job):
     seen = nbddp.notebook_launch(
@@ -148,6 +151,7 @@ def test_lightning_in_the_ranks_sees_nbddps_world_not_slurms(inside_a_slurm_job)
         }
 
 
+@pytest.mark.unit
 @pytest.mark.slow
 def test_one_rank_in_the_kernel_hides_them_for_the_call_and_gives_them_back(
     inside_a_slurm_job,
@@ -158,6 +162,7 @@ def test_one_rank_in_the_kernel_hides_them_for_the_call_and_gives_them_back(
     assert {name: os.environ.get(name) for name in INHERITED} == INHERITED
 
 
+@pytest.mark.e2e
 def test_a_kernel_inside_a_slurm_job_launches(kernel_factory, monkeypatch):
     """A real Jupyter kernel started with the job's variables (batchspawner, Open OnDemand)."""
     for name, value in INHERITED.items():

@@ -9,6 +9,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path) -> None:
@@ -29,5 +30,6 @@ def test_notebook_runs(path: Path) -> None:
     assert summaries, "no nbddp run summary in the outputs"
 
 
+@pytest.mark.unit
 def test_there_are_notebooks() -> None:
     assert len(NOTEBOOKS) >= 1

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.ranks
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

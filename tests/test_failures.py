@@ -10,23 +10,30 @@ import time
 
 import psutil
 import pytest
-from conftest import TWO_CPU, running, wait_until
+from conftest import TWO_CPU, is_warm_helper, running, starts_nothing, wait_until
+from sharing import within
 
 import nbddp
 from nbddp import LaunchTimeout, RunStopped, SerializationError, WorkerError
 
 
-@pytest.fixture(autouse=True, params=["warm", "cold"])
+@pytest.fixture(autouse=True)
 def starter(request, monkeypatch):
-    """Every failure mode, with workers forked by the warm helper and started cold."""
-    if request.param == "cold":
+    """Workers forked by the warm helper; and started cold too (:data:`BOTH_STARTERS`) for
+    the failures whose path depends on how a rank started: how its end is seen (the kernel
+    waits for its own child, or hears from the helper), how it is ended, what a launch opens.
+    A failure found before any rank starts, or in what a rank sends, takes one path: warm."""
+    if getattr(request, "param", "warm") == "cold":
         monkeypatch.setenv("NBDDP_PREWARM", "0")
     else:
         from nbddp.local import forkserver
 
         forkserver.prestart()
         assert forkserver.wait_until_ready(60)
-    return request.param
+    return getattr(request, "param", "warm")
+
+
+BOTH_STARTERS = pytest.mark.parametrize("starter", ["warm", "cold"], indirect=True)
 
 
 def fails_on_rank_one() -> None:
@@ -36,6 +43,8 @@ def fails_on_rank_one() -> None:
     nbddp.barrier()  # rank 0 waits here for a peer that is gone
 
 
+@pytest.mark.ranks
+@BOTH_STARTERS
 def test_exception_on_one_rank_is_raised_with_its_traceback_and_cause():
     with pytest.raises(WorkerError) as info:
         nbddp.notebook_launch(fails_on_rank_one, **TWO_CPU)
@@ -65,6 +74,8 @@ def dies_while_peer_waits(how: str) -> None:
     time.sleep(600)
 
 
+@pytest.mark.ranks
+@BOTH_STARTERS
 @pytest.mark.parametrize(
     ("how", "exitcode", "text"),
     [
@@ -94,12 +105,16 @@ def peer_error_reaches_the_kernel_before_the_death(real_error_first: bool) -> No
     raise RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]")
 
 
+@pytest.mark.ranks
+@BOTH_STARTERS
 def test_a_silent_death_is_the_root_cause_of_its_peers_connection_errors():
     with pytest.raises(WorkerError) as info:
         nbddp.notebook_launch(peer_error_reaches_the_kernel_before_the_death, (False,), **TWO_CPU)
     assert (info.value.rank, info.value.exitcode) == (1, 3)
 
 
+@pytest.mark.ranks
+@BOTH_STARTERS
 def test_a_real_error_before_a_silent_death_stays_the_root_cause():
     with pytest.raises(WorkerError) as info:
         nbddp.notebook_launch(peer_error_reaches_the_kernel_before_the_death, (True,), **TWO_CPU)
@@ -120,6 +135,7 @@ def both_fail_rank_one_first() -> None:
     raise RuntimeError("consequence")
 
 
+@pytest.mark.ranks
 def test_several_failures_raise_the_first_one():
     with pytest.raises(WorkerError) as info:
         nbddp.notebook_launch(both_fail_rank_one_first, **TWO_CPU)
@@ -130,18 +146,21 @@ def sleeps(seconds: float) -> None:
     time.sleep(seconds)
 
 
+@pytest.mark.ranks
+@BOTH_STARTERS
 def test_timeout_terminates_the_workers():
     started = time.monotonic()
     with pytest.raises(LaunchTimeout, match="timeout=6 s") as info:
         nbddp.notebook_launch(sleeps, (300,), **TWO_CPU, timeout=6)
     assert isinstance(info.value, TimeoutError)
-    assert time.monotonic() - started < 6 + 5
+    assert time.monotonic() - started < 6 + within(5)
 
 
 def returns_a_lock() -> object:
     return {"stats": [1, 2], "lock": threading.Lock()}
 
 
+@pytest.mark.ranks
 def test_a_return_value_that_cannot_travel_back_is_named():
     with pytest.raises(
         SerializationError,
@@ -151,21 +170,20 @@ def test_a_return_value_that_cannot_travel_back_is_named():
         nbddp.notebook_launch(returns_a_lock, **TWO_CPU)
 
 
+@pytest.mark.ranks
 def test_an_argument_that_cannot_travel_fails_before_any_process():
-    children_before = psutil.Process().children(recursive=True)
-    started = time.monotonic()
-    with pytest.raises(SerializationError, match=r"args\[0\] -> _thread.lock"):
+    with starts_nothing(), pytest.raises(SerializationError, match=r"args\[0\] -> _thread.lock"):
         nbddp.notebook_launch(sleeps, (threading.Lock(),), **TWO_CPU)
-    assert time.monotonic() - started < 1
-    assert psutil.Process().children(recursive=True) == children_before
 
 
+@pytest.mark.ranks
+@BOTH_STARTERS
 def test_stop_ends_a_background_run():
     run = nbddp.notebook_launch(sleeps, (300,), **TWO_CPU, block=False)
     assert run.status == "running" and not run.wait(timeout=0.5)
     started = time.monotonic()
     run.stop()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < within(5)
     assert run.status == "stopped" and run.wait(0)
     with pytest.raises(RunStopped, match="stopped"):
         run.result()
@@ -174,15 +192,26 @@ def test_stop_ends_a_background_run():
     nbddp.last_run().stop()
 
 
-def _resources() -> tuple[int, int, int]:
+def _children() -> list[psutil.Process]:
+    """Live descendants other than the warm helper's: the helper forks ranks ahead, more of
+    them once launches came in pairs (its pool grows to a launch's ranks and one), and those
+    are its own, not a launch's leftovers."""
     me = psutil.Process()
-    return me.num_fds(), threading.active_count(), len(me.children(recursive=True))
+    return [p for p in me.children(recursive=True) if running(p.pid) and not is_warm_helper(p)]
 
 
+def _resources() -> tuple[int, int, int]:
+    return psutil.Process().num_fds(), threading.active_count(), len(_children())
+
+
+@pytest.mark.ranks
+@BOTH_STARTERS
 @pytest.mark.slow
 def test_twenty_launches_do_not_leak_fds_threads_or_processes():
     nbddp.notebook_launch(int, **TWO_CPU)
-    assert wait_until(lambda: not _launch_threads(), 10), _launch_threads()
+    # the first launch's threads ended and its ranks are gone (they may still be exiting
+    # when it returns): what stays is the baseline
+    assert wait_until(lambda: not _launch_threads() and not _children(), 10), _launch_threads()
     baseline = _resources()
     for _ in range(20):
         assert nbddp.notebook_launch(abs, (-3,), **TWO_CPU) == 3
@@ -213,6 +242,7 @@ def raises_broken_str() -> None:
     time.sleep(30)
 
 
+@pytest.mark.ranks
 def test_an_exception_whose_str_raises_is_still_reported():
     with pytest.raises(WorkerError) as info:
         nbddp.notebook_launch(raises_broken_str, **TWO_CPU)
@@ -241,6 +271,7 @@ def raises_on_rank_one(kind: str) -> None:
     time.sleep(30)
 
 
+@pytest.mark.ranks
 def test_the_ranks_exception_type_is_catchable_in_the_notebook():
     with pytest.raises(ValueError, match="bad shape") as info:
         nbddp.notebook_launch(raises_on_rank_one, ("value",), **TWO_CPU)
@@ -253,6 +284,7 @@ def test_the_ranks_exception_type_is_catchable_in_the_notebook():
     assert info.value.code == 42 and isinstance(info.value, WorkerError)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("kind", ["oserror", "interrupt"])
 def test_types_that_cannot_be_combined_stay_a_plain_worker_error(kind):
     with pytest.raises(WorkerError) as info:
@@ -273,6 +305,8 @@ def exits_early_on_rank_one() -> None:
         dist.all_reduce(torch.ones(1))
 
 
+@pytest.mark.ranks
+@BOTH_STARTERS
 def test_a_rank_that_ends_early_with_success_is_the_root_cause():
     with pytest.raises(WorkerError) as info:
         nbddp.notebook_launch(exits_early_on_rank_one, **TWO_CPU, timeout=60)
@@ -299,6 +333,8 @@ def starts_escaping_children(fail: bool) -> list[int]:
     return pids
 
 
+@pytest.mark.ranks
+@BOTH_STARTERS
 @pytest.mark.parametrize("fail", [False, True])
 def test_children_that_left_the_session_end_with_the_run_at_once(fail, monkeypatch):
     started = time.monotonic()
@@ -320,6 +356,7 @@ def test_children_that_left_the_session_end_with_the_run_at_once(fail, monkeypat
     # the autouse no_leftovers fixture fails the test if any of them is still alive
 
 
+@pytest.mark.ranks
 def test_a_silent_client_on_the_runs_socket_does_not_hold_up_the_launch():
     import glob
     import socket
@@ -331,7 +368,9 @@ def test_a_silent_client_on_the_runs_socket_does_not_hold_up_the_launch():
     def lurk() -> None:  # connects to every run's socket it sees and says nothing
         while not stop.is_set():
             pattern = os.path.join(tempfile.gettempdir(), f"nbddp-{os.getpid()}-*", "channel.sock")
-            for path in glob.glob(pattern):
+            # strangers, not a flood: a flood fills the socket's backlog, which the ranks then
+            # wait out (test_transport.py), and the fds of this process
+            for path in glob.glob(pattern) if len(silent) < 16 else []:
                 sock = socket.socket(socket.AF_UNIX)
                 try:
                     sock.connect(path)

@@ -92,6 +92,7 @@ def facts(request):
     return values, out.getvalue()
 
 
+@pytest.mark.ranks
 def test_every_rank_sees_the_torchrun_environment(facts):
     values, _ = facts
     ports = set()
@@ -108,6 +109,7 @@ def test_every_rank_sees_the_torchrun_environment(facts):
     assert len(ports) == 1
 
 
+@pytest.mark.ranks
 def test_cpu_threads_are_split_between_ranks(facts):
     values, _ = facts
     cores = len(os.sched_getaffinity(0))
@@ -116,6 +118,7 @@ def test_cpu_threads_are_split_between_ranks(facts):
         assert value["threads"] == max(1, cores // 2)
 
 
+@pytest.mark.ranks
 def test_prepare_loader_gives_disjoint_shards_reshuffled_each_epoch(facts):
     values, _ = facts
     for value in values:
@@ -127,6 +130,7 @@ def test_prepare_loader_gives_disjoint_shards_reshuffled_each_epoch(facts):
     assert values[0]["epochs"][0] != values[0]["epochs"][1]
 
 
+@pytest.mark.ranks
 def test_ddp_keeps_weights_identical_and_returns_the_plain_module(facts):
     values, _ = facts
     assert values[0]["wrapped"] == "DistributedDataParallel"
@@ -136,6 +140,7 @@ def test_ddp_keeps_weights_identical_and_returns_the_plain_module(facts):
     assert torch.equal(model.weight.detach(), values[0]["weights"])
 
 
+@pytest.mark.ranks
 def test_output_all_prefixes_every_rank(facts):
     _, printed = facts
     assert "[rank 0] printed by rank 0" in printed
@@ -143,6 +148,7 @@ def test_output_all_prefixes_every_rank(facts):
     assert "[rank 1] plain print from rank 1" in printed
 
 
+@pytest.mark.ranks
 def test_rank0_value_comes_back_with_args_kwargs_and_closures(capfd):
     offset = 100
     value = nbddp.notebook_launch(
@@ -164,6 +170,7 @@ def say_hello_then_wait(marker: str) -> str:
     return "done"
 
 
+@pytest.mark.ranks
 def test_rank0_output_arrives_while_the_run_is_going(tmp_path, capsys):
     marker = str(tmp_path / "go")
     run = nbddp.notebook_launch(say_hello_then_wait, (marker,), **TWO_CPU, block=False)
@@ -181,11 +188,13 @@ def test_rank0_output_arrives_while_the_run_is_going(tmp_path, capsys):
     assert "hello from rank 1" not in everything and "complaint from rank 1" not in everything
 
 
+@pytest.mark.ranks
 def test_output_none_hides_everything(capfd):
     assert nbddp.notebook_launch(lambda: print("noise") or 5, **TWO_CPU, output="none") == 5
     assert "noise" not in capfd.readouterr().out
 
 
+@pytest.mark.ranks
 def test_a_bug_in_the_supervisor_ends_the_run_with_its_traceback(monkeypatch):
     """Our own bug must not hang or hide: the run fails with an NbddpError whose cause is the
     original exception, traceback included, and the ranks are torn down."""

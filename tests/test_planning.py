@@ -8,6 +8,8 @@ from conftest import starts_nothing
 import nbddp
 from nbddp.planning import make_plan
 
+pytestmark = pytest.mark.unit
+
 
 def _noop() -> None:
     pass

@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 from conftest import TWO_CPU_QUIET
 
 import nbddp
@@ -96,6 +97,7 @@ def check(seen: dict[str, int], directory: str) -> None:
     assert not (wrong := not_owner_only(seen)), f"not owner-only in {directory}: {wrong}"
 
 
+@pytest.mark.ranks
 def test_every_file_of_a_launch_and_its_roll_call_is_owner_only(tmp_path):
     run = nbddp.notebook_launch(
         hold_with_a_child, (str(tmp_path),), block=False, return_all=True, **TWO_CPU_QUIET
@@ -105,6 +107,7 @@ def test_every_file_of_a_launch_and_its_roll_call_is_owner_only(tmp_path):
     check(seen, directory)
 
 
+@pytest.mark.ranks
 def test_every_file_of_a_session_and_its_roll_call_is_owner_only(tmp_path):
     with nbddp.Session(num_workers=2, device="cpu") as session:
         run = session.run(
@@ -121,6 +124,7 @@ def train_a_little() -> float:
     return float(torch.ones(2).sum())
 
 
+@pytest.mark.e2e
 def test_every_file_of_an_export_and_of_its_run_is_owner_only(tmp_path):
     script = tmp_path / "train.py"
     nbddp.export(train_a_little, script, num_workers=2, device="cpu", nodes=2)

@@ -16,6 +16,8 @@ from nbddp.backend import Finish, Outcome, RunEvents
 from nbddp.planning import make_plan
 from nbddp.run import Run
 
+pytestmark = pytest.mark.unit
+
 
 class FakeBackend:
     """Does what a test says, when it says: ``finish`` is handed to the test."""

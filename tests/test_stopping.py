@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import TWO_CPU_QUIET
+from conftest import TWO_CPU_QUIET, wait_until
+from sharing import within
 
 import nbddp
 from nbddp import NbddpWarning, RunStopped, WorkerError
@@ -45,6 +47,7 @@ def stopped_value(run: nbddp.Run) -> tuple[object, str]:
     return value, messages[0]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_graceful_stop_lands_at_the_same_step_on_every_rank_and_returns_the_value(world):
     run = nbddp.notebook_launch(
@@ -94,6 +97,7 @@ def train(until: int, pace: float, failing_once: str = "") -> dict[str, torch.Te
     return {**nbddp.unwrap(model).state_dict(), "steps": torch.tensor([start, done])}
 
 
+@pytest.mark.ranks
 def test_a_run_resumed_after_a_graceful_stop_ends_with_the_uninterrupted_parameters(tmp_path):
     whole = nbddp.notebook_launch(train, (60, 0.0), checkpoint_dir=tmp_path / "w", **TWO_CPU_QUIET)
     options = {**TWO_CPU_QUIET, "checkpoint_dir": tmp_path / "cut"}
@@ -110,6 +114,7 @@ def test_a_run_resumed_after_a_graceful_stop_ends_with_the_uninterrupted_paramet
         assert torch.equal(resumed[name], whole[name]), name
 
 
+@pytest.mark.ranks
 def test_timeout_stops_a_run_that_checks_gracefully_with_its_value():
     started = time.monotonic()
     with pytest.warns(NbddpWarning, match=r"stopped gracefully at step \d+.*timeout of 3 s"):
@@ -119,53 +124,72 @@ def test_timeout_stops_a_run_that_checks_gracefully_with_its_value():
     assert nbddp.last_run().status == "stopped"
 
 
-def never_checks() -> None:
+def entered(folder: str | None) -> None:
+    """Says that this rank runs fn: a file per rank in ``folder``."""
+    if folder is not None:
+        with open(os.path.join(folder, str(nbddp.rank())), "w"):
+            pass
+
+
+def every_rank_entered(folder: Path, world: int = 2) -> None:
+    assert wait_until(lambda: len(os.listdir(folder)) == world, timeout=60), os.listdir(folder)
+
+
+def never_checks(folder: str | None = None) -> None:
+    entered(folder)
     time.sleep(120)
 
 
-def checks_late() -> None:
+def checks_late(folder: str | None = None) -> None:
+    entered(folder)
     time.sleep(120)
     nbddp.stopping()
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("fn", [never_checks, checks_late])
-def test_a_run_that_has_not_checked_is_stopped_at_once(fn):
-    run = nbddp.notebook_launch(fn, block=False, **TWO_CPU_QUIET)
-    time.sleep(1.0)  # the ranks run fn: it has not checked (and never will, for never_checks)
+def test_a_run_that_has_not_checked_is_stopped_at_once(fn, tmp_path):
+    run = nbddp.notebook_launch(fn, (str(tmp_path),), block=False, **TWO_CPU_QUIET)
+    every_rank_entered(tmp_path)  # the ranks run fn: it has not checked (and never will)
     started = time.monotonic()
     assert run.stop(graceful=True, timeout=20)
-    assert time.monotonic() - started < 10  # at once, not after stop_grace (60 s)
+    assert time.monotonic() - started < within(10)  # at once, not after stop_grace (60 s)
     assert run.status == "stopped"
     with pytest.raises(RunStopped):
         run.result()
 
 
+@pytest.mark.ranks
 def test_a_timeout_of_a_run_that_never_checks_is_a_launch_timeout_at_once():
     started = time.monotonic()
     with pytest.raises(nbddp.LaunchTimeout, match="had not checked"):
         nbddp.notebook_launch(never_checks, timeout=2, **TWO_CPU_QUIET)
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < within(15)
 
 
-def saves_forever_after_the_stop() -> None:
-    for _ in nbddp.progress(range(1_000_000)):
+def saves_forever_after_the_stop(folder: str) -> None:
+    for step in nbddp.progress(range(1_000_000)):
+        if step == 1:
+            entered(folder)  # it has passed a check: the stop lands at the next one
         time.sleep(0.01)
     time.sleep(120)  # "saving" for longer than stop_grace
 
 
-def test_stop_grace_ends_a_graceful_stop_that_takes_too_long():
+@pytest.mark.ranks
+def test_stop_grace_ends_a_graceful_stop_that_takes_too_long(tmp_path):
     run = nbddp.notebook_launch(
-        saves_forever_after_the_stop, block=False, stop_grace=2, **TWO_CPU_QUIET
+        saves_forever_after_the_stop, (str(tmp_path),), block=False, stop_grace=2, **TWO_CPU_QUIET
     )
-    time.sleep(1.0)
+    every_rank_entered(tmp_path)
     started = time.monotonic()
     assert run.stop(graceful=True, timeout=30)
-    assert 1.5 < time.monotonic() - started < 15
+    assert 1.5 < time.monotonic() - started < within(15)  # it had stop_grace, and no more
     assert run.status == "stopped" and "stop_grace" in run._state.snapshot().warning
     with pytest.raises(RunStopped):
         run.result()
 
 
+@pytest.mark.ranks
 def test_max_restarts_restarts_the_world_after_a_rank_exits_at_step_7(tmp_path):
     whole = nbddp.notebook_launch(train, (15, 0.0), checkpoint_dir=tmp_path / "w", **TWO_CPU_QUIET)
     marker = str(tmp_path / "failed-once")
@@ -183,6 +207,7 @@ def test_max_restarts_restarts_the_world_after_a_rank_exits_at_step_7(tmp_path):
     assert any("restart 1 of 1" in line for line in run._state.snapshot().recovery)
 
 
+@pytest.mark.ranks
 def test_without_restarts_left_the_failure_is_raised(tmp_path):
     marker = str(tmp_path / "failed-once")
     with pytest.raises(WorkerError, match="rank 1"):
@@ -190,6 +215,7 @@ def test_without_restarts_left_the_failure_is_raised(tmp_path):
     assert nbddp.last_run().restarts == []
 
 
+@pytest.mark.ranks
 def test_the_one_rank_run_in_the_kernel_stops_gracefully_on_its_timeout():
     with pytest.warns(NbddpWarning, match="stopped gracefully"):
         value = nbddp.notebook_launch(
@@ -206,6 +232,7 @@ def raises_twice(counter: list[int]) -> int:
     return len(counter)
 
 
+@pytest.mark.ranks
 def test_the_one_rank_run_in_the_kernel_restarts_too():
     attempts: list[int] = []
     value = nbddp.notebook_launch(

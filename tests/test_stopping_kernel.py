@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 LOOP = """\
 import time
 import nbddp

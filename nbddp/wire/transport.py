@@ -49,12 +49,26 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
 # -- the handshake --------------------------------------------------------------------------
 
 
+def _connect(sock: socket.socket, address: Any, deadline: float) -> None:
+    """Connect by ``deadline``. A Unix socket whose backlog is full refuses a socket with a
+    timeout at once (EAGAIN) instead of waiting as it does for TCP: the kernel's end is busy
+    accepting (a loaded machine, many ranks, strangers connecting), so try again shortly."""
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 def connect(address: str, key: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> Connection:
     """The rank's end: connect, prove the key, check the kernel's proof."""
     sock = _socket_for(address)
     try:
         sock.settimeout(timeout)
-        sock.connect(_sockaddr(address))
+        _connect(sock, _sockaddr(address), time.monotonic() + timeout)
         challenge = _recv_exactly(sock, NONCE)
         ours = secrets.token_bytes(NONCE)
         sock.sendall(_proof(key, b"client", challenge) + ours)

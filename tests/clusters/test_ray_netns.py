@@ -1,4 +1,5 @@
-"""Two "hosts" with addresses of their own: network namespaces ``nbddp-a`` and ``nbddp-b`` joined
+"""Two "hosts" with addresses of their own: two network namespaces (named per process, as
+``tests/slurm_cluster.py``'s are: two runs on one machine never touch each other's) joined
 by a veth pair on 10.200.0.0/24, a Ray node started in each, the kernel in the first. Unlike
 ``ray.cluster_utils`` (one address for every node), this exercises the choice of
 ``MASTER_ADDR`` (node rank 0's address, whichever host that is) and of the interface gloo uses
@@ -31,9 +32,16 @@ import psutil
 import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
-pytestmark = [pytest.mark.ray, pytest.mark.netns, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.netns, pytest.mark.slow]
 
 HOSTS = {"a": "10.200.0.1", "b": "10.200.0.2"}
+# Named per process: another run's namespaces and veth pair (a developer's beside CI's, or
+# another xdist worker's) are never deleted or reused. A namespace holds its own addresses and
+# ports, so the same 10.200.0.x in two runs' namespaces do not meet. Interface names have at
+# most 15 characters.
+_RUN = os.getpid() % 100000
+NAMESPACE = {host: f"nbddp-ray-{host}{_RUN}" for host in HOSTS}
+VETH = {host: f"nbddp-r{host}{_RUN}" for host in HOSTS}  # each host's end of the pair
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
@@ -52,7 +60,7 @@ def _ip(*args: str) -> None:
 
 
 def _in(host: str, command: list[str], **kwargs) -> list[str]:
-    return ["ip", "netns", "exec", f"nbddp-{host}", *command]
+    return ["ip", "netns", "exec", NAMESPACE[host], *command]
 
 
 @pytest.fixture(scope="module")
@@ -60,21 +68,21 @@ def two_hosts() -> Iterator[None]:
     reason = _reason_to_skip()
     if reason:
         pytest.skip(f"the two-host test cannot run here: {reason}")
-    for host in HOSTS:
-        subprocess.run(["ip", "netns", "del", f"nbddp-{host}"], capture_output=True)
     try:
-        _ip("netns", "add", "nbddp-a")
-        _ip("netns", "add", "nbddp-b")
-        _ip("link", "add", "nbddp-va", "type", "veth", "peer", "name", "nbddp-vb")
+        for host in HOSTS:
+            _ip("netns", "add", NAMESPACE[host])
+        _ip("link", "add", VETH["a"], "type", "veth", "peer", "name", VETH["b"])
         for host, address in HOSTS.items():
-            _ip("link", "set", f"nbddp-v{host}", "netns", f"nbddp-{host}")
-            _ip("-n", f"nbddp-{host}", "addr", "add", f"{address}/24", "dev", f"nbddp-v{host}")
-            _ip("-n", f"nbddp-{host}", "link", "set", f"nbddp-v{host}", "up")
-            _ip("-n", f"nbddp-{host}", "link", "set", "lo", "up")
+            _ip("link", "set", VETH[host], "netns", NAMESPACE[host])
+            _ip("-n", NAMESPACE[host], "addr", "add", f"{address}/24", "dev", VETH[host])
+            _ip("-n", NAMESPACE[host], "link", "set", VETH[host], "up")
+            _ip("-n", NAMESPACE[host], "link", "set", "lo", "up")
         yield
     finally:
         for host in HOSTS:  # deleting a namespace deletes its end of the veth pair too
-            subprocess.run(["ip", "netns", "del", f"nbddp-{host}"], capture_output=True)
+            subprocess.run(["ip", "netns", "del", NAMESPACE[host]], capture_output=True)
+        # a pair made before its ends moved into the namespaces is still here: delete it too
+        subprocess.run(["ip", "link", "del", VETH["a"]], capture_output=True)
 
 
 @pytest.fixture(scope="module")
@@ -170,5 +178,5 @@ def test_ranks_on_two_hosts_find_each_other(ray_on_two_hosts):
         assert facts["sum"] == 3.0
         assert facts["master"] == nodes[0]  # node rank 0's own address
         host = "a" if nodes[rank] == HOSTS["a"] else "b"
-        assert facts["interface"] == f"nbddp-v{host}"  # the interface of the node's address
+        assert facts["interface"] == VETH[host]  # the interface of the node's address
         assert facts["group"] == str(rank)

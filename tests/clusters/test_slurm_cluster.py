@@ -22,7 +22,7 @@ import psutil
 import pytest
 from slurm_cluster import NAMESPACES
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm, pytest.mark.slow]
 
 HELPER = "nbddp.clusters.slurm.node"
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -162,7 +162,7 @@ def test_a_failing_rank_names_its_node(slurm, tmp_path):
             import torch.distributed as dist
             if dist.get_rank() == 1:
                 raise ValueError("rank 1 gives up")
-            time.sleep(120)
+            time.sleep(3600)
 
         started = time.monotonic()
         try:
@@ -175,7 +175,7 @@ def test_a_failing_rank_names_its_node(slurm, tmp_path):
     rank, node, kind, message, took = result
     assert (rank, node, kind) == (1, "10.201.0.2", "ValueError")
     assert "rank 1 (on 10.201.0.2) raised ValueError: rank 1 gives up" in message
-    assert took < 60, f"rank 0 ran on for {took:.0f} s after rank 1 failed"
+    assert took < 120, f"rank 0 ran on for {took:.0f} s after rank 1 failed"  # not its hour
 
 
 def test_a_lost_node_fails_the_launch_naming_it_and_the_next_launch_starts_anew(slurm, tmp_path):
@@ -191,7 +191,7 @@ def test_a_lost_node_fails_the_launch_naming_it_and_the_next_launch_starts_anew(
                 helper = psutil.Process(os.getppid()).parent()
                 assert "nbddp.clusters.slurm.node" in " ".join(helper.cmdline())
                 helper.send_signal(signal.SIGKILL)
-            time.sleep(120)
+            time.sleep(3600)
 
         started = time.monotonic()
         try:
@@ -205,7 +205,7 @@ def test_a_lost_node_fails_the_launch_naming_it_and_the_next_launch_starts_anew(
     (rank, node, message, took), again = result
     assert (rank, node) == (1, "10.201.0.2"), message
     assert "lost" in message, message
-    assert took < 60
+    assert took < 120  # not rank 0's hour of sleep
     assert again == 2  # on helpers started anew
 
 
@@ -455,7 +455,7 @@ def test_a_slurm_cluster_asks_for_an_allocation_keeps_it_and_releases_it(slurm, 
 
         def queue():
             out = subprocess.run(["squeue", "--noheader", "--format=%i %T %D"],
-                                 capture_output=True, text=True).stdout
+                                 capture_output=True, text=True, check=True).stdout
             return out.split()
 
         def total():

@@ -47,6 +47,7 @@ def fake_scontrol(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("gres", "gpus"),
     [("gpu:2(IDX:0-1)", 2), ("gpu:a100:4(IDX:0-3),nic:1", 4), ("", 0), ("(null)", 0)],
@@ -55,11 +56,13 @@ def test_gpus_are_read_from_a_gres_field(gres, gpus):
     assert commands._gpus(gres) == gpus
 
 
+@pytest.mark.unit
 def test_cpu_ids_are_counted():
     assert commands._count("0-3,8") == 5
     assert commands._count("0") == 1
 
 
+@pytest.mark.ranks
 def test_a_jobs_nodes_come_with_their_addresses_cpus_and_gpus(fake_scontrol):
     nodes = commands.job_nodes("42")
     assert [(n.id, n.address, n.cpus, n.gpus) for n in nodes] == [
@@ -76,6 +79,7 @@ class _Allocation:
         return self._nodes
 
 
+@pytest.mark.ranks
 def test_ranks_go_one_per_gpu_of_each_node(fake_scontrol):
     allocation = _Allocation(commands.job_nodes("42"))
     assert place_on_cluster(allocation, "auto", "auto", "auto", "auto") == ("cuda", 2, 4)
@@ -86,6 +90,7 @@ def test_ranks_go_one_per_gpu_of_each_node(fake_scontrol):
         place_on_cluster(allocation, "auto", "cuda", "auto", 5)
 
 
+@pytest.mark.unit
 def test_a_node_name_that_resolves_nowhere_is_kept_as_slurm_gave_it(monkeypatch):
     assert commands.ipv4("10.1.2.3") == "10.1.2.3"
     assert commands.ipv4("localhost") == "localhost"  # loopback is no node's address

@@ -1,7 +1,12 @@
 """On a real Slurm (``tests/slurm_cluster.py``): the batch file ``nbddp.export`` writes turns
 Slurm's signal before the time limit into a graceful stop on both nodes (every rank at one
 step, then the function's own checkpoint), requeues the job, and the requeued job resumes from
-that checkpoint to the parameters of an uninterrupted run."""
+that checkpoint to the parameters of an uninterrupted run.
+
+Two tests: the whole path with the signal sent by ``scancel --signal=USR1 --batch`` (what
+Slurm sends the batch shell, without waiting a minute for it), and Slurm's own signal before a
+real time limit, which takes minutes of Slurm's clock (mostly waiting: it runs beside other
+tests) and stops once the job is requeued."""
 
 from __future__ import annotations
 
@@ -10,10 +15,11 @@ import sys
 import time
 
 import pytest
+from conftest import wait_until
 
 import nbddp
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm, pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -26,9 +32,10 @@ def by_value():
     cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
-def train(steps: int, pace: float) -> dict:
+def train(steps: int, pace: float, under_way: str | None = None) -> dict:
     """Deterministic DDP training that checks at every step and saves when it stops; each
-    start says where it began in the job's output."""
+    start says where it began in the job's output. ``under_way``: a file made once rank 0
+    finished a step."""
     import time
 
     import torch
@@ -47,6 +54,8 @@ def train(steps: int, pace: float) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         done = step + 1
+        if under_way and done == 1 and nbddp.rank() == 0:
+            open(under_way, "w").close()
         time.sleep(pace)
     if nbddp.stopping():
         nbddp.checkpoint(state, step=done)
@@ -54,48 +63,41 @@ def train(steps: int, pace: float) -> dict:
     return {"start": start, "end": done, "weight": nbddp.unwrap(model).weight.detach().clone()}
 
 
-STEPS = 1500
+STEPS = 400
 
 
-@pytest.mark.timeout(900)
-def test_the_signal_before_the_time_limit_checkpoints_and_the_requeued_job_resumes(slurm, tmp_path):
+@pytest.mark.timeout(400)
+def test_the_stop_signal_checkpoints_and_the_requeued_job_resumes(slurm, tmp_path):
     checkpoints = tmp_path / "checkpoints"
+    under_way = tmp_path / "under-way"
     paths = nbddp.export(
         train,
         tmp_path / "train.py",
-        (STEPS, 0.1),
+        (STEPS, 0.02, str(under_way)),
         num_workers=2,
         nodes=2,
         device="cpu",
         checkpoint_dir=checkpoints,
     )
-    # A three-minute limit and the signal 60 s before it: Slurm itself sends it (up to a
-    # minute early, its man page says) while the ranks train; 150 s of training cannot end
-    # first.
-    done = slurm.run(
-        ["sbatch", "--parsable", "--time=3", "--signal=B:USR1@60", paths[2]], cwd=tmp_path
-    )
+    done = slurm.run(["sbatch", "--parsable", "--time=10", paths[2]], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     job = done.stdout.strip().split(";")[0]
-    requeued = False
-    deadline = time.monotonic() + 800
-    while any(line.startswith(job) for line in slurm.queue()):
-        assert time.monotonic() < deadline, _output(tmp_path)
-        if not requeued and "requeued" in _output(tmp_path):
-            _wait_for_pending(slurm, job)
-            # Slurm holds a requeued job for two minutes; the test does not wait them out,
-            # and gives the second run time to finish (a real job would stop, and be
-            # requeued, again)
-            slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=6"])
-            requeued = True
-        time.sleep(1)
+    assert wait_until(under_way.exists, timeout=180), _output(tmp_path)
+    # what Slurm does before the time limit (--signal=B:USR1): the signal to the batch shell
+    signalled = slurm.run(["scancel", "--signal=USR1", "--batch", job])
+    assert signalled.returncode == 0, signalled.stderr
+    requeued = _requeued(slurm, job, tmp_path, deadline=time.monotonic() + 300)
+    # Slurm holds a requeued job for two minutes; the test does not wait them out
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    assert wait_until(lambda: not _queued(slurm, job), timeout=240), slurm.queue()
     output = _output(tmp_path)
     starts = [
         int(line.rsplit(" ", 1)[1]) for line in output.splitlines() if "training from" in line
     ]
     stopped = [int(line.split()[3]) for line in output.splitlines() if "stopped at step" in line]
-    assert requeued and len(starts) == 2 and len(stopped) == 1, output
-    assert starts == [0, stopped[0]] and 0 < stopped[0] < STEPS, output  # resumed where it stopped
+    said = output + _said(slurm, job)
+    assert requeued and len(starts) == 2 and len(stopped) == 1, said
+    assert starts == [0, stopped[0]] and 0 < stopped[0] < STEPS, said  # resumed where it stopped
     value = pickle.loads((tmp_path / "train.result.pkl").read_bytes())
     whole = nbddp.notebook_launch(
         train,
@@ -107,6 +109,57 @@ def test_the_signal_before_the_time_limit_checkpoints_and_the_requeued_job_resum
     )
     assert value["end"] == STEPS and value["weight"].equal(whole["weight"])
     assert slurm.queue() == []
+
+
+@pytest.mark.timeout(600)
+def test_slurms_own_signal_before_the_time_limit_stops_every_rank_at_one_step(slurm, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    paths = nbddp.export(
+        train,
+        tmp_path / "train.py",
+        (10 * STEPS, 0.1),
+        num_workers=2,
+        nodes=2,
+        device="cpu",
+        checkpoint_dir=checkpoints,
+    )
+    # A three-minute limit and the signal 60 s before it: Slurm itself sends it (up to a
+    # minute early, its man page says, so 60 to 120 s in) while the ranks train; 400 s of
+    # training cannot end first.
+    done = slurm.run(
+        ["sbatch", "--parsable", "--time=3", "--signal=B:USR1@60", paths[2]], cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    assert _requeued(slurm, job, tmp_path, deadline=time.monotonic() + 400)
+    # the resumed run is the other test's: this one ends the job here
+    slurm.run(["scancel", job])
+    assert wait_until(lambda: not _queued(slurm, job), timeout=120), slurm.queue()
+    output = _output(tmp_path)
+    stopped = [int(line.split()[3]) for line in output.splitlines() if "stopped at step" in line]
+    assert len(stopped) == 1 and 0 < stopped[0] < 10 * STEPS, output
+    assert "training from step 0" in output and any(checkpoints.iterdir()), output
+    assert slurm.queue() == []
+
+
+def _said(slurm, job: str) -> str:
+    """What Slurm says of the job and did lately, for a failure's message."""
+    shown = slurm.run(["scontrol", "show", "job", job])
+    log = (slurm.root / "slurmctld.log").read_text()[-3000:]
+    return f"\n--- scontrol show job\n{shown.stdout}{shown.stderr}\n--- slurmctld.log\n{log}"
+
+
+def _queued(slurm, job: str) -> bool:
+    return any(line.startswith(job) for line in slurm.queue())
+
+
+def _requeued(slurm, job: str, directory, deadline: float) -> bool:
+    """Until the batch file said it requeued the job, and Slurm holds it pending."""
+    while "requeued" not in _output(directory):
+        assert _queued(slurm, job) and time.monotonic() < deadline, _output(directory)
+        time.sleep(0.5)  # a poll of the job's output, not a wait standing for an event
+    _wait_for_pending(slurm, job)
+    return True
 
 
 def _output(directory) -> str:

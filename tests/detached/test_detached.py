@@ -11,7 +11,7 @@ import sys
 
 import psutil
 import pytest
-from conftest import TWO_CPU_QUIET
+from conftest import TWO_CPU_QUIET, starts_nothing
 from detached.support import (
     family,
     lock_holders,
@@ -69,6 +69,7 @@ def train(go: str, rows: int) -> dict:
     return {"sum": torch.arange(4.0) * (nbddp.world_size())}
 
 
+@pytest.mark.ranks
 def test_a_detached_run_gives_its_result_history_and_output_to_every_handle(tmp_path, capsys):
     go = str(tmp_path / "go")
     run = nbddp.notebook_launch(train, (go, 30), detach=True, **TWO_CPU_QUIET)
@@ -105,6 +106,7 @@ def test_a_detached_run_gives_its_result_history_and_output_to_every_handle(tmp_
         nbddp.attach(run.id)
 
 
+@pytest.mark.ranks
 def test_a_stop_or_a_roll_call_from_another_handle_reaches_every_rank(tmp_path):
     run = nbddp.notebook_launch(train, (str(tmp_path / "never"), 5), detach=True, **TWO_CPU_QUIET)
     everything = family(supervisor_of(run.id))
@@ -138,6 +140,7 @@ def counts_until_stopped() -> int:
     return step
 
 
+@pytest.mark.ranks
 def test_a_graceful_stop_from_another_handle_gives_every_handle_the_functions_value():
     run = nbddp.notebook_launch(counts_until_stopped, detach=True, **TWO_CPU_QUIET)
     other = nbddp.attach(run.id, display="none")
@@ -164,6 +167,7 @@ def fails_on_rank_1() -> None:
     nbddp.barrier()
 
 
+@pytest.mark.ranks
 def test_a_failing_rank_is_raised_as_its_own_class_in_every_handle():
     run = nbddp.notebook_launch(fails_on_rank_1, detach=True, **TWO_CPU_QUIET)
     for handle in (run, nbddp.attach(run.id, display="none")):
@@ -174,6 +178,7 @@ def test_a_failing_rank_is_raised_as_its_own_class_in_every_handle():
     assert nbddp.runs()[0].status == "failed"
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("prewarm", ["1", "0"], ids=["warm", "cold"])
 def test_a_killed_supervisor_takes_its_ranks_with_it_and_says_so(tmp_path, monkeypatch, prewarm):
     """Warm: its helper dies with it, and the ranks with the helper; cold: each rank dies
@@ -200,6 +205,7 @@ def test_a_killed_supervisor_takes_its_ranks_with_it_and_says_so(tmp_path, monke
     rundir.sweep_stale_dirs()  # the killed supervisor could not remove the ranks' socket dir
 
 
+@pytest.mark.ranks
 def test_a_cold_start_works_the_same(tmp_path, monkeypatch):
     """Without the pre-warmed helper the supervisor is a fresh interpreter that leaves the
     tree itself, and its ranks start cold."""
@@ -214,8 +220,9 @@ def test_a_cold_start_works_the_same(tmp_path, monkeypatch):
     assert len(run.history) == 4
 
 
+@pytest.mark.ranks
 def test_a_bad_detach_is_refused_before_anything_starts(runs_dir):
-    with pytest.raises(ValueError, match="detach='yes' must be True or False"):
+    with starts_nothing(), pytest.raises(ValueError, match="detach='yes' must be True or False"):
         nbddp.notebook_launch(train, ("x", 1), detach="yes", **TWO_CPU_QUIET)
     assert not runs_dir.exists() or os.listdir(runs_dir) == []
 
@@ -228,6 +235,7 @@ def asks() -> str:
         return f"EOF: {exc}"
 
 
+@pytest.mark.ranks
 def test_a_rank_that_asks_for_a_line_is_refused_and_goes_on(runs_dir):
     """Nobody can answer a detached run: its breakpoints are skipped, input() raises, and the
     output says so; debug=True is refused before anything starts."""
@@ -241,6 +249,7 @@ def test_a_rank_that_asks_for_a_line_is_refused_and_goes_on(runs_dir):
     assert [r.id for r in nbddp.runs()] == [run.id]
 
 
+@pytest.mark.ranks
 def test_one_rank_detached_runs_in_a_process_of_its_own(tmp_path):
     go = tmp_path / "go"
     go.touch()
@@ -251,11 +260,12 @@ def test_one_rank_detached_runs_in_a_process_of_its_own(tmp_path):
     assert store.find(run.id).info["world_size"] == 1
 
 
+@pytest.mark.ranks
 def test_something_that_cannot_travel_is_named_before_anything_starts(runs_dir):
     import threading
 
     lock = threading.Lock()
-    with pytest.raises(nbddp.SerializationError, match="lock"):
+    with starts_nothing(), pytest.raises(nbddp.SerializationError, match="lock"):
         nbddp.notebook_launch(lambda: lock, detach=True, **TWO_CPU_QUIET)
     assert not runs_dir.exists() or os.listdir(runs_dir) == []
 

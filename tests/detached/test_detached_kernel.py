@@ -13,6 +13,8 @@ import pytest
 from conftest import Kernel
 from detached.support import family, runs_dir, supervisor_of, wait_for_file, wait_gone
 
+pytestmark = pytest.mark.e2e
+
 __all__ = ["runs_dir"]  # an autouse fixture (support.py)
 
 CELL = """%%ddp --detach -n 2 --device cpu --display none

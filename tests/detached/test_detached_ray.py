@@ -17,7 +17,7 @@ from detached.support import family, no_standby, runs_dir, supervisor_of, wait_f
 import nbddp
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 __all__ = ["no_standby", "runs_dir"]  # autouse fixtures (support.py)
 NODE_IP = "127.0.0.2"  # Ray rewrites 127.0.0.1 to the machine's outward address
 

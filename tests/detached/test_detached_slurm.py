@@ -20,7 +20,7 @@ import psutil
 import pytest
 from slurm_cluster import NAMESPACES
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm, pytest.mark.slow]
 
 ROOT = str(Path(__file__).resolve().parents[2])
 HELPER = "nbddp.clusters.slurm.node"

@@ -23,6 +23,8 @@ from nbddp.detached.attached import attach
 from nbddp.detached.info import runs
 from nbddp.wire.transport import AuthenticationFailed, connect
 
+pytestmark = pytest.mark.ranks
+
 __all__ = ["no_standby", "runs_dir"]  # autouse fixtures (support.py)
 
 

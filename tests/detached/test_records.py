@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import pytest
 from conftest import blocks
 
 from nbddp.backend import Outcome
@@ -18,6 +19,8 @@ from nbddp.rules.tracker import raised
 from nbddp.state.run import RunState
 from nbddp.wire import payload
 from nbddp.wire.messages import BarSnapshot, ErrorReport
+
+pytestmark = pytest.mark.unit
 
 
 def test_events_come_back_in_order_with_the_offset_after_each(tmp_path):

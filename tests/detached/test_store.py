@@ -13,6 +13,8 @@ from detached.support import runs_dir
 import nbddp
 from nbddp.detached import info, retention, store
 
+pytestmark = pytest.mark.unit
+
 __all__ = ["runs_dir"]  # an autouse fixture (support.py)
 
 

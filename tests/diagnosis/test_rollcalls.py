@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from conftest import wait_until
 
 from nbddp.diagnosis.answers import Answers
 from nbddp.diagnosis.rollcalls import RollCalls
+
+pytestmark = pytest.mark.unit
 
 
 def roll_calls() -> RollCalls:

@@ -19,11 +19,13 @@ from nbddp.state.format import bar_text
 from nbddp.state.run import RunState, ShownBar
 
 
+@pytest.mark.unit
 def test_bar_text_is_tqdm_like():
     bar = ShownBar(id=0, level=0, desc="train", n=4, total=10, elapsed=2.0, closed=False, rate=2.0)
     assert bar_text(bar) == "train:  40% 4/10 [00:02<00:03, 2.00 it/s]"
 
 
+@pytest.mark.unit
 def test_text_view_writes_a_line_every_few_seconds_not_every_step():
     state = RunState(2, "cpu", "gloo", "cpu")
     stream = io.StringIO()
@@ -39,6 +41,7 @@ def test_text_view_writes_a_line_every_few_seconds_not_every_step():
     assert lines[-1].startswith("nbddp: succeeded after")
 
 
+@pytest.mark.unit
 def test_text_view_redraws_in_place_on_a_terminal():
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -53,6 +56,7 @@ def test_text_view_redraws_in_place_on_a_terminal():
     assert stream.getvalue().count("\r") == 3 and "\n" not in stream.getvalue()
 
 
+@pytest.mark.unit
 def test_summary_shows_failure_in_red_with_the_first_line():
     state = RunState(2, "cpu", "gloo", "cpu")
     state.rows(0, 0, blocks((None, {"loss": 1.0})))
@@ -61,6 +65,7 @@ def test_summary_shows_failure_in_red_with_the_first_line():
     assert "failed" in html and "ValueError: bad batch" in html and "more" not in html
 
 
+@pytest.mark.unit
 def test_summary_svg_has_the_curve():
     state = RunState(1, "cpu", "gloo", "cpu")
     for step in range(20):
@@ -82,6 +87,7 @@ class BrokenView:
         raise KeyError("a bug in a view")
 
 
+@pytest.mark.unit
 def test_a_failing_view_warns_once_and_the_text_view_takes_over(capsys):
     state = RunState(1, "cpu", "gloo", "cpu")
     display = LiveDisplay(state, "none", None, blocking=True)
@@ -98,6 +104,7 @@ def test_a_failing_view_warns_once_and_the_text_view_takes_over(capsys):
     assert "nbddp: succeeded after" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_the_live_loop_renders_snapshots_while_the_state_changes():
     state = RunState(2, "cpu", "gloo", "cpu")
     stream = io.StringIO()
@@ -124,6 +131,7 @@ def test_the_live_loop_renders_snapshots_while_the_state_changes():
     assert all(len(points) <= 300 for s in seen for points in s.series.values())
 
 
+@pytest.mark.e2e
 def test_a_notice_is_one_line_updated_in_place_in_a_notebook(kernel):
     """A Slurm job waiting in the queue: one output redrawn at every look, not a line each."""
     messages: list[dict] = []
@@ -144,6 +152,7 @@ def test_a_notice_is_one_line_updated_in_place_in_a_notebook(kernel):
     assert not [m for m in messages if m["msg_type"] == "stream"]
 
 
+@pytest.mark.unit
 def test_a_notice_outside_a_notebook_prints_each_change_once(capsys):
     from nbddp.display.notice import Notice
 

@@ -13,12 +13,20 @@ from pages import DOCS, FENCE, MARKER, blocks, pages
 # A page whose every block is marked skip has nothing to run anywhere: no test (its markers'
 # reasons are checked below). One whose blocks that run all need CUDA is marked gpu, the one
 # kind of test CI (no GPU) lets skip (tests/skips.py).
+# A page whose blocks ask for the tutorials' fixed MASTER_PORT shares a worker with the other
+# tests that do (tests/sharing.py).
+TUTORIAL_PORT = "12355"
+
+
+def _marks(page: Path) -> list[pytest.MarkDecorator]:
+    marks = [pytest.mark.gpu] if all(b.marker in ("skip", "gpu") for b in blocks(page)) else []
+    if TUTORIAL_PORT in page.read_text():
+        marks.append(pytest.mark.xdist_group(f"port-{TUTORIAL_PORT}"))
+    return marks
+
+
 PAGES = [
-    pytest.param(p, marks=pytest.mark.gpu)
-    if all(b.marker in ("skip", "gpu") for b in blocks(p))
-    else p
-    for p in pages()
-    if any(b.marker != "skip" for b in blocks(p))
+    pytest.param(p, marks=_marks(p)) for p in pages() if any(b.marker != "skip" for b in blocks(p))
 ]
 
 
@@ -28,12 +36,12 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "page",
     PAGES,
-    ids=[getattr(p, "values", (p,))[0].relative_to(DOCS).as_posix() for p in PAGES],
+    ids=[p.values[0].relative_to(DOCS).as_posix() for p in PAGES],
 )
 def test_the_code_blocks_of_a_page_run(
     page: Path, kernel_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -47,7 +55,9 @@ def test_the_code_blocks_of_a_page_run(
     kernel = kernel_factory()
     try:
         for block in to_run:
-            output, reply = kernel.run(block.code, timeout=300)
+            # a page takes 25 s at most here: a block that hangs fails within e2e's 300 s,
+            # naming itself
+            output, reply = kernel.run(block.code, timeout=240)
             assert reply["status"] == "ok", (
                 f"{block.page}, the block at line {block.line} failed:\n{block.code}\n"
                 f"--- its output ---\n{output}"
@@ -58,6 +68,7 @@ def test_the_code_blocks_of_a_page_run(
         print(f"{block.page}:{block.line} skipped: {block.reason}")
 
 
+@pytest.mark.unit
 def test_every_marker_names_its_reason_and_stands_above_a_python_block() -> None:
     for page in pages():
         lines = page.read_text().splitlines()
@@ -73,6 +84,7 @@ def test_every_marker_names_its_reason_and_stands_above_a_python_block() -> None
             assert following.startswith("```python"), f"{where}: no ```python block below"
 
 
+@pytest.mark.unit
 def test_the_blocks_are_found() -> None:
     """The reading itself: a guide's blocks are seen, with their markers."""
     tutorial = blocks(DOCS / "guides" / "tutorial-code.md")

@@ -7,10 +7,13 @@ from __future__ import annotations
 import inspect
 import re
 
+import pytest
 from pages import DOCS
 from test_architecture import API_MD, EXTRA, PENDING, contract_names
 
 import nbddp
+
+pytestmark = pytest.mark.unit
 
 REFERENCE = DOCS / "reference"
 ENTRY = re.compile(r"^::: nbddp\.(\w+)\s*$", re.MULTILINE)

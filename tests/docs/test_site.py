@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,9 @@ from typing import Any
 
 import pytest
 from pages import ROOT
+
+# chromium, and the site built once for these tests: one worker (tests/sharing.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("browser")]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -37,9 +41,13 @@ def _build(site: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site built with ``--strict``: the one ``.ci/run`` built from this tree just before
+    the tests (``NBDDP_DOCS_SITE`` names it; its build is one of CI's gates), or built here."""
     pytest.importorskip(
         "mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')"
     )
+    if os.environ.get("NBDDP_DOCS_SITE"):
+        return Path(os.environ["NBDDP_DOCS_SITE"])
     folder = tmp_path_factory.mktemp("site")
     built = _build(folder)
     assert built.returncode == 0, f"mkdocs build --strict failed:\n{built.stderr[-6000:]}"

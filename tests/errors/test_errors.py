@@ -14,6 +14,7 @@ from nbddp import LaunchTimeout, RunStopped, SerializationError, WorkerError
 from nbddp.errors import describe_exit
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("code", "text"),
     [
@@ -30,6 +31,7 @@ def test_describe_exit_names_the_signal_and_a_likely_cause(code, text):
     assert text in describe_exit(code)
 
 
+@pytest.mark.ranks
 def test_nbddp_warnings_are_shown_by_pythons_default_filters():
     code = (
         "import warnings\n"
@@ -40,6 +42,7 @@ def test_nbddp_warnings_are_shown_by_pythons_default_filters():
     assert "NbddpWarning: seen" in done.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "error",
     [
@@ -69,6 +72,7 @@ class _OldIPython:
     compile = None
 
 
+@pytest.mark.unit
 def test_an_error_shown_without_frames_renders_where_ipython_cannot(monkeypatch):
     """A ``%%ddp`` cell's error has no local frame; IPython 8.0 asserted one, and the failure
     inside ``_render_traceback_`` left the cell without a reply (a hang, seen on the oldest

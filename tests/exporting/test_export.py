@@ -63,6 +63,7 @@ def notebook(kernel_factory, tmp_path_factory):
     kernel.shutdown()
 
 
+@pytest.mark.e2e
 def test_a_function_with_captured_tensors_and_a_notebook_class(notebook):
     out, reply = notebook.run(
         textwrap.dedent(
@@ -89,6 +90,7 @@ def test_a_function_with_captured_tensors_and_a_notebook_class(notebook):
     assert out.splitlines() == ["['train.py', 'train.pkl', 'train.sbatch']", "True True [0, 2]"]
 
 
+@pytest.mark.e2e
 def test_a_ddp_cell_gives_the_names_the_notebook_gets(notebook):
     cell = textwrap.dedent(
         """
@@ -132,6 +134,7 @@ def test_a_ddp_cell_gives_the_names_the_notebook_gets(notebook):
     assert "model = torch.nn.Linear(3, 1)" in text and "_nbddp.show(total * 2)" in text
 
 
+@pytest.mark.e2e
 def test_export_refuses_a_session_cell(notebook):
     out, reply = notebook.run("%%ddp --export {FOLDER}/never.py --session\nx = 1")
     assert reply["status"] == "error" and "--session" in out
@@ -161,6 +164,7 @@ def adds(offset: float) -> list:
     return [dist.get_rank(), dist.get_world_size(), float(data.sum()) + offset]
 
 
+@pytest.mark.ranks
 def test_python_alone_runs_one_rank_and_keeps_its_value(tmp_path):
     import torch
 
@@ -182,6 +186,7 @@ def test_python_alone_runs_one_rank_and_keeps_its_value(tmp_path):
     assert done.returncode == 0 and (tmp_path / "elsewhere.pkl").exists()
 
 
+@pytest.mark.e2e
 def test_the_script_needs_no_nbddp_unless_the_function_calls_it(tmp_path):
     """A directory first on the path whose ``nbddp`` cannot be imported: the script of a
     function that never calls nbddp still runs; one that does says what it needs."""
@@ -213,6 +218,7 @@ def test_the_script_needs_no_nbddp_unless_the_function_calls_it(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.ranks
 def test_a_local_module_the_payload_needs_is_named_when_missing(tmp_path, monkeypatch):
     (tmp_path / "helpers_for_export.py").write_text("def double(x):\n    return 2 * x\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -232,6 +238,7 @@ def test_a_local_module_the_payload_needs_is_named_when_missing(tmp_path, monkey
     sys.modules.pop("helpers_for_export", None)
 
 
+@pytest.mark.e2e
 def test_a_failing_rank_fails_the_script_with_its_traceback(tmp_path):
     def fails():
         import torch.distributed as dist
@@ -255,6 +262,7 @@ def holds_a_lock() -> None:
         pass
 
 
+@pytest.mark.unit
 def test_what_cannot_be_exported_is_named_before_anything_is_written(tmp_path):
     with pytest.raises(nbddp.SerializationError) as caught:
         nbddp.export(holds_a_lock, tmp_path / "train.py")
@@ -265,6 +273,7 @@ def test_what_cannot_be_exported_is_named_before_anything_is_written(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("path", "options", "message"),
     [
@@ -288,6 +297,7 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, path, opti
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.e2e
 def test_the_batch_file_for_a_gpu_allocation_asks_for_its_gpus_and_nodes_and_is_valid_bash(
     tmp_path,
 ):
@@ -312,6 +322,7 @@ def test_the_batch_file_for_a_gpu_allocation_asks_for_its_gpus_and_nodes_and_is_
     ]
 
 
+@pytest.mark.unit
 @pytest.mark.gpu
 def test_a_tensor_on_the_notebooks_gpu_arrives_on_each_ranks_gpu(tmp_path):
     import torch
@@ -339,6 +350,8 @@ def inits_its_own_group(world: int) -> list:
     return [dist.get_rank(), dist.get_world_size()]
 
 
+@pytest.mark.ranks
+@pytest.mark.xdist_group("port-12355")  # the tutorials' MASTER_PORT, as test_tutorials' tests
 def test_the_functions_own_init_process_group_joins_the_scripts_world(tmp_path):
     script = Path(nbddp.export(inits_its_own_group, tmp_path / "own.py", (1,), device="cpu")[0])
     done = subprocess.run([PYTHON, str(script)], capture_output=True, text=True, timeout=120)
@@ -352,6 +365,7 @@ def test_the_functions_own_init_process_group_joins_the_scripts_world(tmp_path):
     assert "already joined the process group as rank 0 of 1" in done.stderr
 
 
+@pytest.mark.unit
 def test_cluster_slurm_outside_an_allocation_says_how_to_run_on_slurm(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(ValueError, match=r"not in one.*nbddp\.SlurmCluster\(.*nbddp\.export\("):

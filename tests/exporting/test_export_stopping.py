@@ -82,6 +82,7 @@ def result(script: Path) -> dict:
     return pickle.loads(script.with_name(script.stem + ".result.pkl").read_bytes())
 
 
+@pytest.mark.e2e
 def test_the_stop_file_stops_every_rank_at_one_step_and_the_next_run_resumes(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     whole = nbddp.export(
@@ -125,6 +126,7 @@ def test_the_stop_file_stops_every_rank_at_one_step_and_the_next_run_resumes(tmp
     assert result(Path(whole[0]))["weight"].equal(second["weight"])
 
 
+@pytest.mark.e2e
 def test_sigterm_stops_every_rank_at_one_step_and_saves(tmp_path):
     script = Path(
         nbddp.export(
@@ -146,6 +148,7 @@ def test_sigterm_stops_every_rank_at_one_step_and_saves(tmp_path):
     assert (tmp_path / f"step-{stopped['end']}" / "nbddp.json").exists()
 
 
+@pytest.mark.unit
 def test_the_batch_file_asks_for_the_signal_requeues_and_restarts(tmp_path):
     paths = nbddp.export(
         train, tmp_path / "train.py", (5, 0.0), num_workers=2, device="cpu", max_restarts=3

@@ -17,9 +17,12 @@ import pytest
 
 from nbddp.exporting.runner import NbddpScript
 
-pytestmark = pytest.mark.skipif(
-    not os.path.isdir("/proc/self/task"), reason="the wait reads /proc (Linux only)"
-)
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(
+        not os.path.isdir("/proc/self/task"), reason="the wait reads /proc (Linux only)"
+    ),
+]
 
 
 def _as_gloo_worker(body: Callable[[], object], named: threading.Event) -> Callable[[], None]:
@@ -95,13 +98,13 @@ def test_sleeping_workers_let_the_script_end_at_once(started: Start) -> None:
     started(lambda: _done.wait(30))
     began = time.monotonic()
     NbddpScript._let_gloo_settle(limit=20)
-    assert time.monotonic() - began < 1.0
+    assert time.monotonic() - began < 10  # at once: far from the limit, on any machine
 
 
 def test_a_worker_that_never_sleeps_holds_the_end_back_no_longer_than_the_limit(
     started: Start,
 ) -> None:
-    started(_busy(6.0))
+    started(_busy(60.0))  # busy for far longer than the limit (it ends with the test)
     began = time.monotonic()
     NbddpScript._let_gloo_settle(limit=0.5)
-    assert 0.5 <= time.monotonic() - began < 3.0
+    assert 0.5 <= time.monotonic() - began < 20

@@ -55,6 +55,7 @@ def probe_module(tmp_path, monkeypatch):
     sys.modules.pop("nbddp_state_probe", None)
 
 
+@pytest.mark.ranks
 def test_warm_workers_are_fresh_and_isolated_every_launch(ready_helper, probe_module):
     first = nbddp.notebook_launch(identity, **TWO_CPU_QUIET, return_all=True)
     second = nbddp.notebook_launch(identity, **TWO_CPU_QUIET, return_all=True)
@@ -77,6 +78,7 @@ def reads_probe_value() -> int:
     return importlib.reload(nbddp_state_probe).VALUE
 
 
+@pytest.mark.ranks
 def test_a_module_edited_between_launches_is_imported_anew(ready_helper, probe_module):
     assert nbddp.notebook_launch(reads_probe_value, **TWO_CPU_QUIET) == 1
     probe_module.write_text("counter = 0\nVALUE = 2\n")
@@ -87,6 +89,7 @@ def parent_pid() -> int:
     return os.getppid()
 
 
+@pytest.mark.ranks
 def test_a_dead_helper_is_replaced_and_launches_keep_working(ready_helper):
     os.kill(ready_helper, signal.SIGKILL)
     deadline = time.monotonic() + 5
@@ -99,6 +102,7 @@ def test_a_dead_helper_is_replaced_and_launches_keep_working(ready_helper):
     assert nbddp.notebook_launch(parent_pid, **TWO_CPU_QUIET) == new_helper
 
 
+@pytest.mark.ranks
 def test_prewarm_can_be_turned_off(monkeypatch, ready_helper):
     monkeypatch.setenv("NBDDP_PREWARM", "0")
     assert nbddp.notebook_launch(parent_pid, **TWO_CPU_QUIET) == os.getpid()
@@ -110,12 +114,14 @@ def fails_on_rank_one() -> None:
     time.sleep(60)
 
 
+@pytest.mark.ranks
 def test_failures_hold_on_the_warm_path(ready_helper):
     with pytest.raises(nbddp.WorkerError) as info:
         nbddp.notebook_launch(fails_on_rank_one, **TWO_CPU_QUIET)
     assert (info.value.rank, info.value.exitcode) == (1, 7)
 
 
+@pytest.mark.e2e
 def test_the_helper_ends_with_its_kernel(kernel_factory):
     kernel = kernel_factory()
     try:
@@ -154,6 +160,7 @@ def imports_after_the_fork() -> tuple[list[str], list[str]]:
     return at_start, sorted(set(sys.modules) - forked.known - set(at_start))
 
 
+@pytest.mark.ranks
 def test_a_warm_rank_imports_nothing_the_helper_lacks_up_to_its_first_step(ready_helper):
     """Whatever a rank imports after the fork, every launch pays for again (~3 ms for one of
     nbddp's modules, ~0.9 s for torch._dynamo, which optimizer.step() imports): the helper's

@@ -30,6 +30,7 @@ def _all_reduce_two() -> float:
     return t.item()
 
 
+@pytest.mark.ranks
 def test_one_worker_runs_in_the_kernel_with_a_world_of_one():
     assert not dist.is_initialized() and "RANK" not in os.environ
     facts = nbddp.notebook_launch(describe_world, num_workers=1, device="cpu")
@@ -44,6 +45,7 @@ def test_one_worker_runs_in_the_kernel_with_a_world_of_one():
     assert nbddp.last_run().status == "succeeded" and nbddp.last_run().world_size == 1
 
 
+@pytest.mark.ranks
 def test_the_kernels_excepthook_is_left_as_it_was():
     # torch's init_process_group wraps sys.excepthook ("[rank0]: " on every line) for good
     hook = sys.excepthook
@@ -52,10 +54,12 @@ def test_the_kernels_excepthook_is_left_as_it_was():
     assert sys.excepthook is hook
 
 
+@pytest.mark.ranks
 def test_auto_without_gpu_is_the_fallback():
     assert nbddp.notebook_launch(os.getpid) == os.getpid()
 
 
+@pytest.mark.ranks
 def test_fallback_unwraps_and_moves_results():
     model = nbddp.notebook_launch(lambda: nbddp.prepare_model(torch.nn.Linear(2, 2)))
     assert type(model) is torch.nn.Linear
@@ -65,6 +69,7 @@ def raises_type_error() -> None:
     raise TypeError("wrong shape")
 
 
+@pytest.mark.ranks
 def test_fallback_failure_is_a_worker_error_of_rank_zero():
     with pytest.raises(WorkerError) as info:
         nbddp.notebook_launch(raises_type_error, num_workers=1)
@@ -80,11 +85,12 @@ def spins(seconds: float) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.ranks
 def test_fallback_timeout_and_stop():
     started = time.monotonic()
     with pytest.raises(LaunchTimeout):
         nbddp.notebook_launch(spins, (60,), num_workers=1, timeout=0.5)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # the timeout, not fn's end (60 s)
     assert not dist.is_initialized()
 
     run = nbddp.notebook_launch(spins, (60,), num_workers=1, block=False)
@@ -94,6 +100,7 @@ def test_fallback_timeout_and_stop():
     assert not dist.is_initialized() and "RANK" not in os.environ
 
 
+@pytest.mark.unit
 def test_runtime_api_outside_any_launch():
     identity = (nbddp.rank(), nbddp.local_rank(), nbddp.world_size(), nbddp.is_main())
     assert identity == (0, 0, 1, True)
@@ -106,6 +113,7 @@ def test_runtime_api_outside_any_launch():
     assert nbddp.prepare_loader(loader) is loader  # nothing to shard or move
 
 
+@pytest.mark.unit
 def test_print_is_rank_zero_only(capsys):
     nbddp.print("visible")
     assert capsys.readouterr().out == "visible\n"

@@ -15,6 +15,8 @@ from conftest import is_warm_helper, running, wait_until
 
 from nbddp.local import rundir
 
+pytestmark = pytest.mark.e2e
+
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout

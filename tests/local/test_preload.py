@@ -10,6 +10,8 @@ import psutil
 import pytest
 from conftest import running
 
+pytestmark = pytest.mark.e2e
+
 AT_START = (
     "def at_start(*names):\n"
     "    import os, sys\n"

@@ -11,13 +11,18 @@ import time
 
 import psutil
 import pytest
+from sharing import within
 
 from nbddp.environment import RUN_ID_VARIABLE
 from nbddp.local.processes import ColdStarter, WorkerProcess, terminate
 from nbddp.worker.reaping import exit_status
 
+# Run ids as unique as nbddp's own: the teardown ends every process of a run id machine-wide,
+# so a fixed one would end another test process's ranks (another xdist worker's).
+RUN = f"test-run-{os.getpid()}"
 
-def start(code: str, run_id: str = "test-run") -> tuple[WorkerProcess, int]:
+
+def start(code: str, run_id: str = RUN) -> tuple[WorkerProcess, int]:
     """A tiny rank: ``python -c code``; returns it and the read end of its stdout."""
     out_r, out_w = os.pipe()
     env = {**os.environ, RUN_ID_VARIABLE: run_id}
@@ -56,6 +61,7 @@ def gone(pid: int, timeout: float = 5) -> bool:
     return False
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     ("code", "expected"),
     [
@@ -72,11 +78,12 @@ def test_exit_status_is_read_without_reaping(code, expected):
         assert exit_status(process.pid) == expected  # still unreaped: asking again works
         assert psutil.Process(process.pid).status() == psutil.STATUS_ZOMBIE
     finally:
-        terminate([process], "test-run", time.time())
+        terminate([process], RUN, time.time())
         os.close(out)
     assert not psutil.pid_exists(process.pid)
 
 
+@pytest.mark.ranks
 def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace():
     process, out = start(
         "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -85,8 +92,8 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace():
     try:
         assert read_line(out) == "ready"
         started = time.monotonic()
-        terminate([process], "test-run", time.time(), grace=0.5)
-        assert 0.4 < time.monotonic() - started < 3
+        terminate([process], RUN, time.time(), grace=0.5)
+        assert 0.4 < time.monotonic() - started < within(3)  # the grace, not its sleep (60 s)
     finally:
         os.close(out)
     assert not psutil.pid_exists(process.pid)
@@ -119,6 +126,7 @@ class ReportedLate:
         os.close(self._reported)
 
 
+@pytest.mark.unit
 def test_the_teardown_returns_once_a_killed_ranks_end_is_seen():
     """Returning at SIGKILL left a warm rank still exiting when an interrupt was raised
     (test_interrupts' 'a process of the launch outlived the interrupt', now and then)."""
@@ -136,27 +144,29 @@ time.sleep(60)
 """
 
 
+@pytest.mark.ranks
 def test_a_process_that_left_the_session_is_ended_with_the_run():
     since = time.time()
-    process, out = start(ESCAPES, run_id="escapes-1")
+    process, out = start(ESCAPES, run_id=f"escapes-1-{os.getpid()}")
     try:
         escaped = int(read_line(out))
         assert os.getpgid(escaped) != process.pid  # not in the rank's group: killpg misses it
-        terminate([process], "escapes-1", since, grace=0.5)
+        terminate([process], f"escapes-1-{os.getpid()}", since, grace=0.5)
         assert gone(escaped)
     finally:
         os.close(out)
 
 
+@pytest.mark.ranks
 def test_an_orphan_of_a_killed_rank_is_found_by_the_run_id():
     since = time.time()
-    process, out = start(ESCAPES, run_id="escapes-2")
+    process, out = start(ESCAPES, run_id=f"escapes-2-{os.getpid()}")
     try:
         escaped = int(read_line(out))
         os.kill(process.pid, signal.SIGKILL)  # its child is re-parented away from the tree
         assert wait_ended(process) == -signal.SIGKILL
         assert psutil.Process(escaped).ppid() != process.pid
-        terminate([process], "escapes-2", since, grace=0.5)
+        terminate([process], f"escapes-2-{os.getpid()}", since, grace=0.5)
         assert gone(escaped)
     finally:
         os.close(out)
@@ -177,6 +187,7 @@ print("ended", flush=True)
 """
 
 
+@pytest.mark.ranks
 def test_a_rank_ends_its_descendants_even_after_they_double_forked():
     process, out = start(DOUBLE_FORK)
     try:
@@ -185,24 +196,26 @@ def test_a_rank_ends_its_descendants_even_after_they_double_forked():
         assert gone(daemon)
         assert wait_ended(process) == 0
     finally:
-        terminate([process], "test-run", time.time())
+        terminate([process], RUN, time.time())
         os.close(out)
 
 
+@pytest.mark.ranks
 def test_the_cold_starter_gives_each_rank_its_own_session():
     process, out = start("import os; print(os.getsid(0), os.getpgrp(), flush=True)")
     try:
         sid, group = map(int, read_line(out).split())
         assert sid == group == process.pid
     finally:
-        terminate([process], "test-run", time.time())
+        terminate([process], RUN, time.time())
         os.close(out)
 
 
+@pytest.mark.ranks
 def test_python_is_the_interpreter_of_cold_ranks():
     process, out = start("import sys; print(sys.executable, flush=True)")
     try:
         assert read_line(out) == sys.executable
     finally:
-        terminate([process], "test-run", time.time())
+        terminate([process], RUN, time.time())
         os.close(out)

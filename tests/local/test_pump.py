@@ -7,8 +7,12 @@ import io
 import os
 import time
 
+import pytest
+
 from nbddp.local.pump import OutputPump
 from nbddp.state.terminal import LineWindow
+
+pytestmark = pytest.mark.unit
 
 
 def pump_text(mode: str, writes: list[tuple[int, bytes]]) -> tuple[str, OutputPump]:
@@ -65,7 +69,8 @@ def test_a_line_window_is_linear_and_bounded_without_newlines():
     started = time.monotonic()
     for _ in range(800):  # 50 MB in one line
         window.feed(piece)
-    assert time.monotonic() - started < 2
+    # linear: 0.03 s here; copying the line at each feed would take minutes
+    assert time.monotonic() - started < 20
     assert len(window.open_line) == 1000
     window.feed("\n")
     assert window.lines[-1].endswith("more characters not shown]")

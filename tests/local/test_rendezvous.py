@@ -13,6 +13,8 @@ from nbddp.local.ranks import local_ranks
 from nbddp.plan import LaunchPlan
 from nbddp.wire.call import Call
 
+pytestmark = pytest.mark.ranks
+
 
 class KnockingStarter(ColdStarter):
     """Before each rank starts, knock on the store's port that rank is given."""

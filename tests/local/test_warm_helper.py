@@ -13,6 +13,8 @@ from conftest import TWO_CPU_QUIET, wait_until
 import nbddp
 from nbddp.local import forkserver
 
+pytestmark = pytest.mark.ranks
+
 
 @pytest.fixture
 def ready_helper():

@@ -4,6 +4,8 @@ import pytest
 
 from nbddp.notebook.cell import analyze, shows_last_value
 
+pytestmark = pytest.mark.unit
+
 
 def reads(source: str) -> set[str]:
     return set(analyze(source).reads)

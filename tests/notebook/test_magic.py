@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 TWO = "%%ddp -n 2 --device cpu --display none"
 
 

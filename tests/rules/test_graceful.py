@@ -18,6 +18,8 @@ from nbddp.rules.task_referee import GRACE, TaskReferee
 from nbddp.wire.messages import AllJoined, Ended, GroupCount, Issued, Joined, Received, Result
 from nbddp.wire.stopping import Checkpointed, Checks, StopAsked, StopAt, StoppedAt
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self) -> None:

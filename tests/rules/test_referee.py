@@ -28,6 +28,8 @@ from nbddp.wire.messages import (
 from nbddp.wire.prompts import LeftPdb, Prompt, Quit, Reply
 from nbddp.wire.stopping import Checks
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self) -> None:

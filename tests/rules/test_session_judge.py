@@ -27,6 +27,8 @@ from nbddp.wire.messages import (
     Result,
 )
 
+pytestmark = pytest.mark.unit
+
 WORLD = 2
 EXIT_TIMEOUT = 3.0
 

@@ -26,6 +26,7 @@ def check(
     return SyncCheck(tuple(models), collectives, stepped, alone)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "checks",
     [
@@ -41,6 +42,7 @@ def test_a_library_that_ran_each_rank_alone_is_named_instead_of_prepare_model(ch
     assert "prepare_model" not in verdict
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("checks", "says"),
     [
@@ -126,6 +128,7 @@ def train(how: str) -> float:
     return float(loss.detach())
 
 
+@pytest.mark.ranks
 @pytest.mark.smoke
 @pytest.mark.parametrize("how", ["ddp", "compiled", "fsdp2"])
 def test_one_ddp_job_gets_no_warning(how):
@@ -139,6 +142,7 @@ def test_one_ddp_job_gets_no_warning(how):
     assert "ranks trained" not in summary_html(run._state.snapshot())
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     ("how", "says"),
     [("alone", "never communicated"), ("module", "the parameters of the DDP model (Linear)")],
@@ -159,6 +163,7 @@ def no_training() -> int:
     return nbddp.rank()
 
 
+@pytest.mark.ranks
 def test_a_run_that_trains_nothing_is_not_judged():
     value, run = run_quietly(no_training)
     assert value == 0 and run.warning is None

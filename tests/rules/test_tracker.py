@@ -8,6 +8,8 @@ from nbddp import WorkerError
 from nbddp.rules.tracker import Failure, ended_early, lost_a_peer, root_cause
 from nbddp.wire.messages import ErrorReport
 
+pytestmark = pytest.mark.unit
+
 
 def report(exc_type: str, message: str = "", mro: tuple[str, ...] = ()) -> ErrorReport:
     return ErrorReport(

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import running
+from sharing import within
 
 import nbddp
 import nbddp.rules.task_referee as task_referee
 from nbddp.rules.in_step import out_of_step
-from nbddp.rules.task_referee import GRACE
 from nbddp.wire.messages import GroupCount
 
 OPTIONS = {"display": "none"}
@@ -124,7 +124,7 @@ def assert_right_and_prompt(session: nbddp.Session, fn: str = "total") -> None:
     started = time.monotonic()
     values = session.run(NB[fn], return_all=True, timeout=15, **OPTIONS)
     assert values == [3.0, 3.0]
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < within(5)
 
 
 @pytest.fixture
@@ -133,14 +133,16 @@ def session():
         yield s
 
 
-def test_a_collective_cut_short_by_a_peers_failure_restarts_the_ranks(session):
+@pytest.mark.ranks
+def test_a_collective_cut_short_by_a_peers_failure_restarts_the_ranks(session, monkeypatch):
+    monkeypatch.setattr(task_referee, "GRACE", 60.0)  # a stuck rank would take a minute
     for _ in range(3):
         session.run(count, **OPTIONS)
         old = pids(session)
         started = time.monotonic()
         with pytest.raises(nbddp.WorkerError, match="rank 1 fails") as raised:
             session.run(NB["all_reduce_cut_short"], (uuid.uuid4().hex,), **OPTIONS)
-        assert time.monotonic() - started < GRACE  # not stuck: every rank came back
+        assert time.monotonic() - started < within(5)  # not stuck: every rank came back
         assert_right_and_prompt(session)
         message = str(raised.value)
         assert "The session was restarted: after the failure, the ranks' collectives " in message
@@ -153,6 +155,7 @@ def test_a_collective_cut_short_by_a_peers_failure_restarts_the_ranks(session):
         assert session.run(count, **OPTIONS) == 1  # fresh ranks, a fresh namespace
 
 
+@pytest.mark.ranks
 def test_a_stop_or_a_timeout_that_cuts_a_collective_short_restarts_the_ranks(session, tmp_path):
     with (
         pytest.warns(nbddp.NbddpWarning, match="restarted: after the timeout, the ranks' coll"),
@@ -174,6 +177,7 @@ def test_a_stop_or_a_timeout_that_cuts_a_collective_short_restarts_the_ranks(ses
         assert_right_and_prompt(session)
 
 
+@pytest.mark.ranks
 def test_a_group_made_with_new_group_counts_too(session):
     session.run(NB["make_pair_group"], **OPTIONS)
     with pytest.raises(nbddp.WorkerError) as raised:
@@ -182,6 +186,7 @@ def test_a_group_made_with_new_group_counts_too(session):
     assert "collectives on process group '1': rank 0 2, rank 1 1" in str(raised.value)
 
 
+@pytest.mark.ranks
 def test_the_issues_sequence_unwidened_every_next_collective_is_right_and_prompt(
     session, monkeypatch
 ):
@@ -199,6 +204,7 @@ def test_the_issues_sequence_unwidened_every_next_collective_is_right_and_prompt
     assert len(outcomes) == 10  # every attempt failed on rank 1
 
 
+@pytest.mark.ranks
 def test_a_task_interrupted_before_any_collective_keeps_the_state(session):
     session.run(count, **OPTIONS)
     session.run(NB["make_pair_group"], **OPTIONS)
@@ -218,6 +224,7 @@ def counts(*groups: tuple[str, tuple[int, ...], int]) -> tuple[GroupCount, ...]:
     return tuple(GroupCount(*g) for g in groups)
 
 
+@pytest.mark.unit
 def test_the_rule_compares_every_group_of_every_member():
     default = ("0", (0, 1, 2), 7)
     pair = ("1", (0, 1), 3)

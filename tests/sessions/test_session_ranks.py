@@ -30,6 +30,8 @@ from nbddp.wire.messages import (
     Task,
 )
 
+pytestmark = pytest.mark.unit
+
 PLAN = LaunchPlan(2, "cpu", "gloo")
 
 

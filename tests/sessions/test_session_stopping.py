@@ -6,17 +6,20 @@ as before."""
 
 from __future__ import annotations
 
-import signal
-import threading
+import os
 import time
 
 import pytest
 import torch
-from test_session import notebook
+from conftest import wait_until
+from sharing import within
+from test_session import interrupt_when, notebook, task_after
 from test_stopping import rows_logged, stopped_value
 
 import nbddp
 from nbddp import NbddpWarning, RunStopped
+
+pytestmark = pytest.mark.ranks
 
 OPTIONS = {"display": "none"}
 
@@ -44,9 +47,11 @@ NB = notebook(
         nbddp.checkpoint({"model": model}, step=done)
         return done
 
-    def never_checks():
+    def never_checks(folder):
         global slept
         slept = "before"
+        with open(os.path.join(folder, str(nbddp.rank())), "w"):
+            pass  # this rank runs the task
         time.sleep(60)
 
     def read_slept():
@@ -78,15 +83,14 @@ def test_a_graceful_stop_lands_at_one_step_and_the_ranks_keep_their_state(sessio
 
 
 def test_the_first_interrupt_stops_a_task_that_checks_gracefully(session):
-    main = threading.main_thread().ident
-    assert main is not None
-    threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT)).start()
+    before = nbddp.last_run()
+    under_way = interrupt_when(lambda: (run := task_after(before)) and len(run.history) >= 5)
     try:
         with pytest.warns(NbddpWarning, match=r"stopped gracefully at step \d+.*the interrupt"):
             rank, reached, stopped = session.run(NB["steps"], (0.005,), **OPTIONS)
     except KeyboardInterrupt:  # not graceful: fail here, not the whole test session
         pytest.fail("the first interrupt was not a graceful stop")
-    assert rank == 0 and reached > 0 and stopped
+    assert under_way.is_set() and rank == 0 and reached > 0 and stopped
     assert nbddp.last_run().status == "stopped"
     assert session.run(NB["read_reached"], **OPTIONS) == reached
 
@@ -106,12 +110,13 @@ def test_the_timeout_stops_a_task_that_checks_gracefully_and_names_its_checkpoin
     assert any(saved.iterdir())
 
 
-def test_a_task_that_never_checks_is_interrupted_at_once_and_the_session_goes_on(session):
-    run = session.run(NB["never_checks"], block=False, **OPTIONS)
-    time.sleep(0.5)  # the ranks are in time.sleep(60)
+def test_a_task_that_never_checks_is_interrupted_at_once_and_the_session_goes_on(session, tmp_path):
+    run = session.run(NB["never_checks"], (str(tmp_path),), block=False, **OPTIONS)
+    # the ranks are in time.sleep(60)
+    assert wait_until(lambda: len(os.listdir(tmp_path)) == 2, timeout=60)
     started = time.monotonic()
     assert run.stop(graceful=True, timeout=20)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < within(10)  # at once, not after a grace
     with pytest.raises(RunStopped):
         run.result()
     assert session.run(NB["read_slept"], **OPTIONS) == "before"

@@ -12,6 +12,8 @@ from nbddp.state.metrics import History, MetricsAggregator
 from nbddp.state.run import RunState
 from nbddp.wire.messages import BarSnapshot
 
+pytestmark = pytest.mark.unit
+
 
 def test_rows_wait_for_every_rank_and_nothing_is_lost():
     history = History()

@@ -21,6 +21,7 @@ def lines(first: int, last: int) -> str:
     return "".join(f"line {i}\n" for i in range(first, last + 1))
 
 
+@pytest.mark.unit
 def test_short_output_is_kept_whole_and_no_file_is_made(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     transcript = Transcript(head=5, tail=5)
@@ -31,6 +32,7 @@ def test_short_output_is_kept_whole_and_no_file_is_made(tmp_path, monkeypatch):
     assert transcript.file == "" and not os.path.exists(LOG_DIRECTORY)
 
 
+@pytest.mark.unit
 def test_a_long_stream_keeps_both_ends_and_every_line_goes_to_a_private_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     transcript = Transcript(head=3, tail=4)
@@ -50,6 +52,7 @@ def test_a_long_stream_keeps_both_ends_and_every_line_goes_to_a_private_file(tmp
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
 
 
+@pytest.mark.unit
 def test_the_kept_ends_are_bounded_in_characters_too(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     transcript = Transcript(head=100, tail=100, characters=50)
@@ -61,6 +64,7 @@ def test_the_kept_ends_are_bounded_in_characters_too(tmp_path, monkeypatch):
         assert len(log.read().splitlines()) == 100
 
 
+@pytest.mark.unit
 def test_an_unwritable_working_directory_puts_the_file_in_a_private_temp_one(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / LOG_DIRECTORY).write_text("a file where the directory would go")
@@ -75,6 +79,7 @@ def test_an_unwritable_working_directory_puts_the_file_in_a_private_temp_one(tmp
     os.rmdir(os.path.dirname(transcript.file))
 
 
+@pytest.mark.unit
 def test_nowhere_to_write_keeps_both_ends_and_says_so(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / LOG_DIRECTORY).write_text("a file where the directory would go")
@@ -92,6 +97,7 @@ def test_nowhere_to_write_keeps_both_ends_and_says_so(tmp_path, monkeypatch):
     assert "6 lines not shown here; all of rank 0's output: not saved" in page
 
 
+@pytest.mark.unit
 def test_the_saved_summary_shows_both_ends_and_links_the_whole_log(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     state = RunState(2, "cpu", "gloo", "cpu")
@@ -123,6 +129,7 @@ def chatty_notebook(count: int) -> nbformat.NotebookNode:
     return notebook
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("count", [1_000, 6_000])
 def test_a_saved_notebook_keeps_the_first_and_last_line_of_a_long_log(tmp_path, count):
     notebook = chatty_notebook(count)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 # The floor pyproject.toml declares, the last release before the rename, and the newest.
 VERSIONS = ["3.0.0", "3.1.2", "newest"]
 CACHE = Path(sys.prefix) / "nbddp-test-cloudpickle"

@@ -3,12 +3,27 @@ and comes back equal, and the documented protocol names every message there is."
 
 from __future__ import annotations
 
-import inspect
+import ast
 import pickle
 import typing
+from pathlib import Path
 
-from nbddp.wire import messages, prompts, stacks, stopping
+import pytest
+
+import nbddp
+from nbddp.wire import messages, prompts
 from nbddp.wire.spec import JobSpec
+
+pytestmark = pytest.mark.unit
+
+PACKAGE = Path(nbddp.__file__).parent
+# Modules holding the messages of another connection (each says so in its docstring): the
+# kernel and its warm helper; a detached run's supervisor and its kernels; the kernel and a
+# Slurm node's helper. Whatever else travels is the rank wire's.
+OTHER_WIRES = {"nbddp.wire.helper", "nbddp.detached.link", "nbddp.clusters.slurm.messages"}
+# A call that sends what it is given: conn.send(X(...)), self._send, send_all, _broadcast, _tell,
+# ask.
+SENDS = ("send", "broadcast", "tell", "ask")
 
 
 def test_the_job_spec_comes_back_from_its_file_as_it_was_written():
@@ -30,12 +45,47 @@ def test_the_job_spec_comes_back_from_its_file_as_it_was_written():
 
 
 def message_classes() -> list[type]:
-    return [
-        cls
-        for module in (messages, prompts, stopping)
-        for _, cls in inspect.getmembers(module, inspect.isclass)
-        if cls.__module__ == module.__name__ and issubclass(cls, tuple) and cls is not tuple
-    ]
+    return list(typing.get_args(messages.Message))
+
+
+def travelling() -> dict[tuple[str, str], str]:
+    """Every NamedTuple class some module of nbddp sends, read from the source of each module
+    of the package wherever it is (``conn.send(Hello(rank))`` sends ``Hello``): (its module,
+    its name) -> a module that sends it."""
+    modules = {
+        ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(
+            ".__init__"
+        ): ast.parse(path.read_text())
+        for path in PACKAGE.rglob("*.py")
+    }
+    named_tuples = {
+        (module, node.name)
+        for module, tree in modules.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and any(ast.unparse(base).endswith("NamedTuple") for base in node.bases)
+    }
+    found = {}
+    for module, tree in modules.items():
+        imported = {
+            alias.asname or alias.name: node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+            for alias in node.names
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func).rpartition(".")[2].lstrip("_").startswith(SENDS)
+                and node.args
+                and isinstance(node.args[0], ast.Call)
+                and isinstance(node.args[0].func, ast.Name)
+            ):
+                name = node.args[0].func.id
+                key = (imported.get(name, module), name)
+                if key in named_tuples:
+                    found.setdefault(key, module)
+    return found
 
 
 def test_every_message_pickles_small_and_comes_back_equal():
@@ -75,11 +125,14 @@ def test_the_prompts_docstring_draws_each_of_its_messages():
 
 
 def test_every_message_of_the_rank_wire_is_in_the_union():
-    """What a rank and the kernel exchange, wherever its class is defined (``prompts.py`` and
-    ``stopping.py`` hold nothing else; the roll-call's two are in ``stacks.py``), is one
-    ``Message``."""
-    union = set(typing.get_args(messages.Message))
-    elsewhere = [cls for cls in message_classes() if cls.__module__ != messages.__name__]
-    assert len(elsewhere) == 11
-    missing = {*elsewhere, stacks.AskStacks, stacks.RankStacks} - union
-    assert not missing, sorted(cls.__name__ for cls in missing)
+    """What a rank and the kernel exchange, wherever its class is defined and sent from, is
+    one ``Message``: every module of nbddp is read for what it sends."""
+    union = {(cls.__module__, cls.__name__) for cls in typing.get_args(messages.Message)}
+    sent = travelling()
+    assert sent.keys() & union, "the scan finds no message sent: does it still read sends?"
+    missing = sorted(
+        f"{module}.{name} (sent in {where})"
+        for (module, name), where in sent.items()
+        if (module, name) not in union and module not in OTHER_WIRES
+    )
+    assert not missing, f"add to wire/messages.py's Message (or name its own wire): {missing}"

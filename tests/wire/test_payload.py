@@ -13,6 +13,8 @@ from nbddp import SerializationError
 from nbddp.wire.call import dumps_call
 from nbddp.wire.payload import dumps, loads, to_cpu
 
+pytestmark = pytest.mark.unit
+
 LOCK = threading.Lock()
 
 

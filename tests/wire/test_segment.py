@@ -89,6 +89,7 @@ def reads_every_capture() -> dict:
     }
 
 
+@pytest.mark.ranks
 def test_captured_tensors_arrays_datasets_and_dicts_arrive_intact_on_every_rank():
     for value in nbddp.notebook_launch(reads_every_capture, **TWO_CPU_QUIET, return_all=True):
         assert value == {
@@ -110,6 +111,7 @@ def writes_to_its_copy() -> tuple[float, float]:
     return float(TENSOR[:10].sum()), float(ARRAY[:10].sum())
 
 
+@pytest.mark.ranks
 def test_a_rank_writing_to_captured_data_changes_only_its_own_copy():
     before = (float(TENSOR[:10].sum()), float(ARRAY[:10].sum()))
     rank0, rank1 = nbddp.notebook_launch(writes_to_its_copy, **TWO_CPU_QUIET, return_all=True)
@@ -117,6 +119,7 @@ def test_a_rank_writing_to_captured_data_changes_only_its_own_copy():
     assert (float(TENSOR[:10].sum()), float(ARRAY[:10].sum())) == before  # the notebook's
 
 
+@pytest.mark.unit
 def test_the_pickle_stream_stays_small_and_the_bytes_go_to_one_segment(monkeypatch):
     monkeypatch.setenv("NBDDP_SHARE_IN_PLACE", "0")  # the opt-out: a copy per launch, as before
     big = torch.ones(25_000_000)  # 100 MB
@@ -136,6 +139,7 @@ def _file_of(fd: int) -> tuple[int, int]:
     return stat.st_dev, stat.st_ino
 
 
+@pytest.mark.ranks
 def test_a_captured_tensor_is_shared_in_place_once_and_later_launches_copy_nothing():
     data = torch.arange(2_000_000, dtype=torch.float64)  # 16 MB
     view = data[8:]
@@ -159,6 +163,7 @@ def test_a_captured_tensor_is_shared_in_place_once_and_later_launches_copy_nothi
     assert sums == (float(values.sum()), 8.0)
 
 
+@pytest.mark.ranks
 def test_storages_beyond_the_limit_of_one_launch_are_copied(monkeypatch):
     monkeypatch.setattr(calls, "MAX_PLACED", 2)
     tensors = [torch.full((100_000,), float(i)) for i in range(3)]
@@ -173,6 +178,7 @@ def test_storages_beyond_the_limit_of_one_launch_are_copied(monkeypatch):
     assert sums == [0.0, 100_000.0, 200_000.0]
 
 
+@pytest.mark.ranks
 def test_the_next_launch_sees_the_kernels_writes_and_a_ranks_writes_stay_its_own():
     data = torch.zeros(1_000_000)  # 4 MB, shared in place by the first launch
 
@@ -196,6 +202,7 @@ def test_the_next_launch_sees_the_kernels_writes_and_a_ranks_writes_stay_its_own
     assert float(data[0]) == 0.0
 
 
+@pytest.mark.ranks
 def test_memory_torch_does_not_own_and_the_opt_out_stay_where_they_are(monkeypatch):
     array = np.zeros(1_000_000, dtype=np.float32)
     viewing = torch.from_numpy(array)  # moving it would end its sharing with the array
@@ -227,6 +234,7 @@ def pss_of_the_run(kernel: int) -> int:
 CAPTURED: torch.Tensor | None = None
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("in_place", [True, False])
 def test_total_memory_grows_by_the_data_once_not_per_rank(monkeypatch, in_place):
@@ -255,6 +263,7 @@ def fails_after_reading() -> None:
     raise RuntimeError("after reading")
 
 
+@pytest.mark.ranks
 def test_the_segment_is_gone_after_success_failure_and_interrupt():
     nbddp.notebook_launch(reads_every_capture, **TWO_CPU_QUIET)
     assert wait_no_holders() == []
@@ -274,6 +283,7 @@ def _reads_then_sleeps() -> None:
     time.sleep(60)
 
 
+@pytest.mark.e2e
 def test_the_segment_is_gone_when_the_kernel_is_killed(kernel_factory, tmp_path):
     doomed = kernel_factory()
     try:
@@ -303,6 +313,7 @@ def test_the_segment_is_gone_when_the_kernel_is_killed(kernel_factory, tmp_path)
         doomed.shutdown()
 
 
+@pytest.mark.unit
 def test_a_capture_that_is_large_for_this_machine_is_named(monkeypatch):
     monkeypatch.setattr(calls, "SHARED_WARN", 1e-6)
     monkeypatch.setattr(calls, "IN_BAND_WARN", 50_000)

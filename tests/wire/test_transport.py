@@ -12,12 +12,17 @@ import struct
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
+from nbddp.wire import transport
 from nbddp.wire.frames import Connection, FrameReader
-from nbddp.wire.transport import AuthenticationFailed, Listener, connect
+from nbddp.wire.transport import HANDSHAKE_TIMEOUT, AuthenticationFailed, Listener, connect
+
+pytestmark = pytest.mark.unit
 
 
 class _Boom:
@@ -30,11 +35,12 @@ class _Boom:
         return (open, (self.path, "w"))
 
 
-def _serve(listener: Listener, until: float, accepted: list) -> None:
-    """The kernel's side, as the supervisor drives it: accept and handshake without blocking."""
+def _serve(listener: Listener, stop: threading.Event, accepted: list) -> None:
+    """The kernel's side, as the supervisor drives it: accept and handshake without blocking,
+    until the test says stop."""
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, None)
-    while time.monotonic() < until:
+    while not stop.is_set():
         for key, _ in selector.select(0.05):
             if key.data is None:
                 pending = listener.accept()
@@ -65,7 +71,8 @@ def test_strangers_are_dropped_unheard_and_a_silent_one_blocks_nobody(tmp_path):
     with tempfile.TemporaryDirectory() as private:
         listener = Listener(f"unix:{private}/channel.sock")
         accepted: list = []
-        server = threading.Thread(target=_serve, args=(listener, time.monotonic() + 4, accepted))
+        stop = threading.Event()
+        server = threading.Thread(target=_serve, args=(listener, stop, accepted))
         server.start()
         try:
             marker = tmp_path / "unpickled"
@@ -84,20 +91,67 @@ def test_strangers_are_dropped_unheard_and_a_silent_one_blocks_nobody(tmp_path):
                 connect(listener.address, b"wrong" * 8, timeout=2)
             started = time.monotonic()
             conn = connect(listener.address, listener.key)  # the right key gets through
-            assert time.monotonic() - started < 1  # the silent client holds up nobody
+            # the silent client holds up nobody: not for its handshake's timeout (10 s)
+            assert time.monotonic() - started < HANDSHAKE_TIMEOUT / 2
             conn.send(("hello", 3))
-            deadline = time.monotonic() + 3
-            while not accepted and time.monotonic() < deadline:
-                time.sleep(0.01)
+            assert wait_until(lambda: accepted, timeout=30)
             conn.close()
             silent.close()
         finally:
+            stop.set()
             server.join()
             listener.close()
         assert accepted == [("hello", 3)]
         assert not marker.exists()
         assert listener.rejected >= 2
         assert not os.path.exists(listener.address[5:])
+
+
+def test_a_full_backlog_is_waited_out_not_a_failed_connect(tmp_path, monkeypatch):
+    """A Unix socket whose backlog is full refuses a socket with a timeout at once (EAGAIN)
+    rather than making it wait, as TCP would: a rank's connect tries again until the kernel's
+    end accepts. (Seen: a launch failed with BlockingIOError while strangers crowded the run's
+    socket on a loaded machine.)"""
+    path = str(tmp_path / "channel.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(0)
+    crowd = []
+    while True:  # fill the backlog
+        stranger = socket.socket(socket.AF_UNIX)
+        stranger.setblocking(False)
+        try:
+            stranger.connect(path)
+        except BlockingIOError:
+            stranger.close()
+            break
+        crowd.append(stranger)
+    retried = threading.Event()
+
+    def noted_sleep(seconds: float) -> None:
+        retried.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr(
+        transport, "time", SimpleNamespace(monotonic=time.monotonic, sleep=noted_sleep)
+    )
+    accepted = []
+
+    def kernel_end() -> None:  # busy until the rank has been refused once, then accepts all
+        if retried.wait(30):
+            accepted.extend(server.accept()[0] for _ in range(len(crowd) + 1))
+
+    acceptor = threading.Thread(target=kernel_end)
+    acceptor.start()
+    rank = socket.socket(socket.AF_UNIX)
+    rank.settimeout(10)
+    try:
+        transport._connect(rank, path, time.monotonic() + 60)
+    finally:
+        acceptor.join()
+        for sock in [rank, server, *crowd, *accepted]:
+            sock.close()
+    assert retried.is_set() and len(accepted) == len(crowd) + 1
 
 
 def test_buffers_land_in_their_destination_and_descriptors_ride_along():

@@ -35,6 +35,7 @@ class Recorder:
         return [data for kind, data in self.sent if kind == "log"]
 
 
+@pytest.mark.unit
 def test_log_rejects_what_cannot_be_averaged():
     buffer = LiveBuffer(Recorder())
     try:
@@ -46,6 +47,7 @@ def test_log_rejects_what_cannot_be_averaged():
         buffer.close()
 
 
+@pytest.mark.unit
 def test_log_ships_rows_in_batches_of_columns():
     received = Recorder()
     buffer = LiveBuffer(received)
@@ -66,6 +68,7 @@ def test_log_ships_rows_in_batches_of_columns():
     assert merged[("loss", "lr")][1] == [0.1] * 50 and merged[("lr",)] == [[0.2]]
 
 
+@pytest.mark.unit
 def test_unread_tensors_become_floats_in_place():
     sent = blocks(*[(None, {"loss": torch.tensor(i / 10), "n": torch.tensor(i)}) for i in range(5)])
     live._read_tensors(sent)
@@ -79,6 +82,7 @@ def test_unread_tensors_become_floats_in_place():
     assert all(type(v) is float for column in sent[0][2] for v in column)
 
 
+@pytest.mark.unit
 def test_no_row_is_lost_or_reordered_while_the_flusher_races_the_logger(monkeypatch):
     monkeypatch.setattr(live, "FLUSH_INTERVAL", 0.0002)
     interval = sys.getswitchinterval()
@@ -103,6 +107,7 @@ def test_no_row_is_lost_or_reordered_while_the_flusher_races_the_logger(monkeypa
     assert seen == [float(i) for i in range(60_000)]
 
 
+@pytest.mark.unit
 def test_rows_with_the_same_keys_in_another_order_stay_apart():
     recorder = Recorder()
     buffer = LiveBuffer(recorder)
@@ -127,6 +132,7 @@ def logs_rank_and_progress(steps: int) -> int:
     return epoch
 
 
+@pytest.mark.ranks
 def test_history_holds_cross_rank_averages_with_step_and_epoch(capsys):
     assert nbddp.notebook_launch(logs_rank_and_progress, (25,), **TWO_CPU) == 1
     history = nbddp.last_run().history
@@ -140,6 +146,7 @@ def test_history_holds_cross_rank_averages_with_step_and_epoch(capsys):
     assert "loss=0.5" in capsys.readouterr().out  # the text view's final line
 
 
+@pytest.mark.ranks
 def test_fallback_shows_the_same_history():
     nbddp.notebook_launch(logs_rank_and_progress, (5,), num_workers=1, display="none")
     assert [row["loss"] for row in nbddp.last_run().history] == [0.0] * 10
@@ -151,6 +158,7 @@ def progress_passes_through() -> tuple[bool, bool, int]:
     return shown is items, list(shown) == items, len(shown)
 
 
+@pytest.mark.ranks
 def test_progress_is_a_pass_through_outside_a_launch_and_checks_on_every_rank_in_one():
     assert progress_passes_through() == (True, True, 3)
     nbddp.log(loss=1.0)  # outside a launch: nothing to do, no error
@@ -182,6 +190,7 @@ def _widget_values(messages: list[dict]) -> list[str]:
     ]
 
 
+@pytest.mark.e2e
 def test_widget_shows_bars_reaching_total_and_averaged_metrics(kernel):
     kernel.run(
         "def train(steps):\n"
@@ -213,6 +222,7 @@ def test_widget_shows_bars_reaching_total_and_averaged_metrics(kernel):
     assert "application/vnd.jupyter.widget-view+json" not in final["data"]
 
 
+@pytest.mark.e2e
 @pytest.mark.smoke
 def test_saved_notebook_keeps_a_static_summary(tmp_path):
     notebook = nbformat.v4.new_notebook()
@@ -243,6 +253,7 @@ def test_saved_notebook_keeps_a_static_summary(tmp_path):
     assert re.search(r"rank \d raised RuntimeError: diverged", failed_html)
 
 
+@pytest.mark.e2e
 def test_background_panel_updates_between_cells_and_its_stop_button_works(kernel):
     kernel.run(
         "def slow():\n"
@@ -305,6 +316,7 @@ def test_background_panel_updates_between_cells_and_its_stop_button_works(kernel
     assert out.strip() == "None True", out
 
 
+@pytest.mark.e2e
 def test_fallback_shows_the_same_panel(kernel):
     kernel.run(
         "def short():\n    for s in nbddp.progress(range(5)):\n"
@@ -320,6 +332,7 @@ def test_fallback_shows_the_same_panel(kernel):
     assert "1 × cpu" in html and "nbddp-metrics" in html and "step 4" in html
 
 
+@pytest.mark.e2e
 def test_rank_output_in_the_panel_behaves_like_a_terminal(kernel):
     kernel.run(
         "def noisy():\n"

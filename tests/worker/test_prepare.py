@@ -5,11 +5,14 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import nbddp
 from nbddp.worker.context import Context, installed
+
+pytestmark = pytest.mark.unit
 
 
 def _collate(batch):

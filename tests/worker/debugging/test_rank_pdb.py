@@ -13,6 +13,8 @@ import pytest
 from nbddp.wire.prompts import Reply
 from nbddp.worker.debugging.rank_pdb import RankPdb
 
+pytestmark = pytest.mark.unit
+
 
 class InputBox:
     """Answers each prompt with the next line; the stop's interrupt lands the moment

@@ -106,6 +106,7 @@ def assert_one_ddp_job(ranks) -> None:
     assert first["port"] == second["port"] != "2112"  # nbddp's rendezvous, untouched
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     ("ddp", "explicit"),
     [(True, False), (False, False), (True, True)],
@@ -119,6 +120,7 @@ def test_catalyst_trains_one_ddp_job_over_the_ranks(tmp_path, ddp, explicit):
     assert "checkpoints" in os.listdir(tmp_path / "logs")  # written by rank 0
 
 
+@pytest.mark.ranks
 def test_a_rank_that_empties_the_log_directory_first_leaves_rank_0s_logs_whole(tmp_path):
     logdir = tmp_path / "logs"
     logdir.mkdir()
@@ -130,6 +132,7 @@ def test_a_rank_that_empties_the_log_directory_first_leaves_rank_0s_logs_whole(t
     assert "stale" not in kept and {"checkpoints", "tensorboard", csv} <= kept, kept
 
 
+@pytest.mark.e2e
 def test_catalyst_ddp_true_in_a_real_kernel(kernel, tmp_path):
     """A notebook's cell, as a user types it: Catalyst's example with ddp=True."""
     kernel.run("%load_ext nbddp")
@@ -160,6 +163,7 @@ def test_catalyst_ddp_true_in_a_real_kernel(kernel, tmp_path):
     assert "True 4 None" in out, out
 
 
+@pytest.mark.ranks
 @pytest.mark.catalyst21
 @pytest.mark.skipif(
     not LEGACY, reason="Catalyst 21.x only (this venv has 22.x; .ci/run runs it in one with 21.12)"

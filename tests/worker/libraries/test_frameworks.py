@@ -35,6 +35,7 @@ def tqdm_loops() -> int:
     return nbddp.rank()
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("output", ["rank0", "all"])
 def test_tqdm_bars_become_panel_bars_and_leave_no_text(output):
     value, text, _, bars = launch(tqdm_loops, output=output)
@@ -60,6 +61,7 @@ def panel_counts_while_updating() -> list[int]:
     return seen
 
 
+@pytest.mark.ranks
 def test_a_tqdm_bar_updated_by_hand_is_followed_between_updates():
     assert launch(panel_counts_while_updating)[0] == [2, 4, 6]
 
@@ -69,6 +71,7 @@ def logs_through_logging() -> None:
     logging.getLogger("training").debug("not shown at INFO")
 
 
+@pytest.mark.ranks
 def test_the_notebooks_logging_setup_reaches_the_ranks():
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -128,6 +131,7 @@ def hf_trainer(output_dir: str) -> int:
     return trainer.state.global_step
 
 
+@pytest.mark.ranks
 @pytest.mark.smoke
 @pytest.mark.slow
 def test_an_hf_trainer_fills_history_and_shows_its_bar_in_the_panel():
@@ -173,6 +177,7 @@ def lightning_trainer(root: str, logger: bool = True) -> list[str]:
     return [type(each).__name__ for each in trainer.loggers]
 
 
+@pytest.mark.ranks
 @pytest.mark.smoke
 @pytest.mark.slow
 def test_a_lightning_trainer_fills_history_averaged_across_ranks():
@@ -186,6 +191,7 @@ def test_a_lightning_trainer_fills_history_averaged_across_ranks():
     assert bars and bars[0].desc.startswith("Epoch") and bars[0].n == bars[0].total == 8
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_lightning_with_logger_false_fills_history_as_a_logger_would_be_filled():
     """No logger is added (it would move the checkpoint directory): what Lightning hands its
@@ -223,6 +229,7 @@ def lightning_default_trainer(root: str) -> str:
     return type(trainer.strategy).__name__
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_a_lightning_trainer_of_one_device_per_rank_is_named_by_the_verdict():
     with tempfile.TemporaryDirectory() as root, pytest.warns(nbddp.NbddpWarning):
@@ -245,6 +252,7 @@ def accelerate_tracker(init_trackers: bool) -> int:
     return accelerator.num_processes
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("init_trackers", [False, True])
 def test_accelerate_logs_reach_history_as_rank_0_logs_them(init_trackers):
     processes, _, history, _ = launch(accelerate_tracker, init_trackers)
@@ -285,6 +293,7 @@ def quicktour_on_ranks(**options):
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_accelerator_as_its_quicktour_writes_it_sees_the_cpu_ranks_as_one_job(kernel):
     out, reply = kernel.run(QUICKTOUR + "print('one job:', quicktour_on_ranks())")
@@ -293,6 +302,7 @@ def test_accelerator_as_its_quicktour_writes_it_sees_the_cpu_ranks_as_one_job(ke
     assert "True, None)" in out, out  # the same model on both ranks, and no verdict
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_accelerate_running_each_rank_alone_is_named_by_the_verdict(kernel):
     out, reply = kernel.run(
@@ -346,6 +356,7 @@ print("logged:", steps, len([row for row in history if "train_loss" in row]))
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_lightning_logger_false_self_log_fills_run_history_in_a_notebook(kernel):
     out, reply = kernel.run(LIGHTNING_README, timeout=240)

@@ -15,6 +15,8 @@ from conftest import TWO_CPU_QUIET
 
 import nbddp
 
+pytestmark = pytest.mark.ranks
+
 
 def launch(fn, *args):
     out = io.StringIO()

@@ -10,6 +10,8 @@ import pytest
 
 from nbddp.wire.messages import MAX_DISPLAYS
 
+pytestmark = pytest.mark.e2e
+
 TWO = "%%ddp -n 2 --device cpu --display none"
 
 

@@ -39,6 +39,7 @@ def register_writer(path: str, how: str = "return") -> str:
     return "returned"
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("how", ["return", "sys.exit(0)"])
 def test_an_atexit_handler_registered_in_fn_runs_on_every_rank(tmp_path, how):
     path = str(tmp_path / "handler")
@@ -67,6 +68,7 @@ def log_buffered(path: str, records: int) -> None:
         logger.info("step %d", step)  # stays in the buffer: only logging.shutdown flushes it
 
 
+@pytest.mark.ranks
 def test_a_memory_handler_buffer_reaches_its_file(tmp_path):
     path = tmp_path / "buffered.log"
     nbddp.notebook_launch(log_buffered, args=(str(path), 20), **TWO_CPU)
@@ -86,6 +88,7 @@ def finish_work_in_a_pool(path: str) -> None:
     pool.submit(slow_write)  # neither waited for nor shut down: the interpreter's exit joins it
 
 
+@pytest.mark.ranks
 def test_a_thread_pool_finishes_its_work_as_at_a_normal_exit(tmp_path):
     path = tmp_path / "pool"
     nbddp.notebook_launch(finish_work_in_a_pool, args=(str(path),), num_workers=2, device="cpu")
@@ -114,6 +117,7 @@ def start_children(path: str, ignore_sigterm: bool) -> None:
     child.stdout.readline()  # its handler is in place
 
 
+@pytest.mark.ranks
 def test_processes_a_rank_started_get_sigterm_and_end_by_themselves(tmp_path):
     path = str(tmp_path / "child")
     nbddp.notebook_launch(start_children, args=(path, False), **TWO_CPU)
@@ -122,6 +126,7 @@ def test_processes_a_rank_started_get_sigterm_and_end_by_themselves(tmp_path):
             assert f.read() == "SIGTERM"
 
 
+@pytest.mark.ranks
 def test_a_process_that_ignores_sigterm_is_killed_at_the_bound(tmp_path, monkeypatch):
     monkeypatch.setenv("NBDDP_EXIT_TIMEOUT", "1")
     start = time.monotonic()
@@ -159,6 +164,7 @@ def hang_at_exit(also_raise: bool) -> int:
 HANDLER = "test_exit.hang_at_exit.<locals>"  # named as where it was defined
 
 
+@pytest.mark.ranks
 def test_a_handler_that_never_returns_is_cut_at_the_bound_with_a_warning(monkeypatch):
     monkeypatch.setenv("NBDDP_EXIT_TIMEOUT", "1")
     start = time.monotonic()
@@ -178,6 +184,7 @@ def test_a_handler_that_never_returns_is_cut_at_the_bound_with_a_warning(monkeyp
         assert mine[2].endswith("still ran at the bound: killed.")
 
 
+@pytest.mark.ranks
 def test_the_launch_timeout_does_not_cut_exit_work_the_ranks_bound_themselves(tmp_path):
     """``timeout`` is fn's; a rank that returned within it finishes its exit handlers."""
     path = str(tmp_path / "slow")
@@ -209,6 +216,7 @@ def fail_on_rank_1(path: str) -> None:
     dist.barrier()  # rank 0 loses its peer here
 
 
+@pytest.mark.ranks
 def test_after_a_failure_no_exit_handler_runs_and_the_run_ends_at_once(tmp_path):
     path = str(tmp_path / "handler")
     with pytest.raises(ValueError, match="rank 1 fails"):
@@ -228,6 +236,7 @@ def wait_at_exit(go: str) -> None:
     atexit.register(wait_for_go)
 
 
+@pytest.mark.ranks
 def test_the_panel_shows_the_ranks_finishing_their_exit_handlers(tmp_path):
     go = tmp_path / "go"
     run = nbddp.notebook_launch(wait_at_exit, args=(str(go),), block=False, **TWO_CPU)
@@ -288,6 +297,7 @@ def wandb_steps(directory: str) -> list[int]:
     return steps
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_wandb_offline_without_finish_keeps_every_logged_step(tmp_path):
     pytest.importorskip("wandb")
@@ -314,6 +324,7 @@ def log_to_mlflow(uri: str, steps: int) -> None:
             mlflow.log_metric("loss", 1.0 / (step + 1), step=step)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_mlflow_run_without_end_run_is_finished_with_every_step(tmp_path):
     pytest.importorskip("mlflow")
@@ -332,6 +343,7 @@ def test_mlflow_run_without_end_run_is_finished_with_every_step(tmp_path):
 # -- a session's close() --------------------------------------------------------------------------
 
 
+@pytest.mark.ranks
 def test_session_close_runs_every_ranks_exit_handlers(tmp_path):
     path = str(tmp_path / "handler")
     with nbddp.Session(num_workers=2, device="cpu") as session:
@@ -344,6 +356,7 @@ def test_session_close_runs_every_ranks_exit_handlers(tmp_path):
         assert os.path.exists(f"{path}-second.{rank}")
 
 
+@pytest.mark.ranks
 def test_session_close_cuts_a_stuck_handler_at_the_bound_with_a_warning(monkeypatch):
     monkeypatch.setenv("NBDDP_EXIT_TIMEOUT", "1")
     session = nbddp.Session(num_workers=2, device="cpu")
@@ -363,6 +376,7 @@ def test_session_close_cuts_a_stuck_handler_at_the_bound_with_a_warning(monkeypa
 # -- the kernel's side, without processes -----------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_bad_exit_timeout_is_refused_before_anything_starts(monkeypatch):
     monkeypatch.setenv("NBDDP_EXIT_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="NBDDP_EXIT_TIMEOUT='soon' in the environment"):
@@ -371,6 +385,7 @@ def test_a_bad_exit_timeout_is_refused_before_anything_starts(monkeypatch):
     assert make_plan(num_workers=2, device="cpu").exit_timeout == 2.5
 
 
+@pytest.mark.unit
 def test_the_kernel_gives_up_on_a_rank_whose_own_bound_could_not_act(monkeypatch):
     """A handler that holds the GIL in native code stops the rank's watchdog too: past the
     bound and EXIT_GRACE, the run succeeds with a warning (the teardown kills the rank)."""

@@ -18,6 +18,8 @@ from nbddp.worker.rank import runtime
 from nbddp.worker.rank.runtime import Call, Checkpoints, RankRuntime
 from nbddp.worker.recovery import checkpoints, stopping
 
+pytestmark = pytest.mark.unit
+
 
 class Sink:
     def __init__(self) -> None:

@@ -17,6 +17,9 @@ from conftest import TWO_CPU_QUIET, starts_nothing
 
 import nbddp
 
+# The tutorials' fixed MASTER_PORT, which one test holds on purpose: one worker (sharing.py)
+pytestmark = pytest.mark.xdist_group("port-12355")
+
 # https://pytorch.org/tutorials/intermediate/ddp_tutorial.html, as it runs on a CPU: the
 # tutorial's ``.to(rank)`` and ``device_ids=[rank]`` are GPU lines (the gpu test keeps them);
 # its checkpoint goes to CHECKPOINT_DIR (a test's own) instead of the shared temp directory,
@@ -137,6 +140,7 @@ def tutorial(kernel, tmp_path_factory):
     assert os.listdir(checkpoints) == [], "rank 0 removes its checkpoint"
 
 
+@pytest.mark.e2e
 def test_the_tutorial_runs_unchanged_through_spawn(tutorial):
     out, reply = tutorial.run(
         "weights = nbddp.spawn(demo_basic, args=(2,), nprocs=2, join=True, device='cpu', "
@@ -149,6 +153,7 @@ def test_the_tutorial_runs_unchanged_through_spawn(tutorial):
     assert "in step: True 2" in out
 
 
+@pytest.mark.e2e
 def test_the_checkpoint_demo_runs_unchanged_through_notebook_launch(tutorial):
     out, reply = tutorial.run(
         "weights = nbddp.notebook_launch(lambda ws: demo_checkpoint(nbddp.rank(), ws), (2,), "
@@ -160,6 +165,7 @@ def test_the_checkpoint_demo_runs_unchanged_through_notebook_launch(tutorial):
     assert "in step: True" in out
 
 
+@pytest.mark.e2e
 def test_two_runs_at_once_both_asking_for_port_12355_both_succeed(tutorial):
     """Port 12355 is held by another program (this kernel, or anyone else on the machine):
     neither run may bind it or talk to it."""
@@ -180,6 +186,7 @@ def test_two_runs_at_once_both_asking_for_port_12355_both_succeed(tutorial):
     assert "in step: [True, True] ['succeeded', 'succeeded']" in out
 
 
+@pytest.mark.e2e
 def test_a_tutorial_asking_for_another_world_fails_before_training(tutorial):
     out, reply = tutorial.run(
         "try:\n"
@@ -200,6 +207,7 @@ def test_a_tutorial_asking_for_another_world_fails_before_training(tutorial):
     assert "Finished running" not in out  # no training happened
 
 
+@pytest.mark.e2e
 def test_one_rank_in_the_kernel_runs_the_tutorial_and_leaves_the_kernel_as_it_was(tutorial):
     out, reply = tutorial.run(
         "weights = nbddp.spawn(demo_basic, args=(1,), nprocs=1, device='cpu')\n"
@@ -212,6 +220,7 @@ def test_one_rank_in_the_kernel_runs_the_tutorial_and_leaves_the_kernel_as_it_wa
     assert "after: False True False" in out
 
 
+@pytest.mark.e2e
 def test_one_rank_in_the_kernel_answers_an_init_process_group_imported_by_name(tutorial):
     """The tutorial's ``from torch.distributed import init_process_group``, run before the
     launch, holds torch's own function: in the kernel's one-rank world it is answered too
@@ -260,6 +269,7 @@ def test_one_rank_in_the_kernel_answers_an_init_process_group_imported_by_name(t
     assert "after: True False False" in out
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU lines work on this machine")
 @pytest.mark.parametrize(
     ("line", "says"),
@@ -285,6 +295,7 @@ def test_the_tutorials_gpu_lines_on_cpu_ranks_get_nbddps_hint(tutorial, line, sa
     assert out.count("This rank runs on the CPU") == 1
 
 
+@pytest.mark.e2e
 def test_a_ddp_cell_calling_init_process_group_itself(tutorial):
     out, reply = tutorial.run(
         "%%ddp -n 2 --device cpu --display none\n"
@@ -300,6 +311,7 @@ def test_a_ddp_cell_calling_init_process_group_itself(tutorial):
     assert "total: 2.0" in out, out
 
 
+@pytest.mark.e2e
 def test_a_one_worker_ddp_cell_calling_init_process_group_itself(tutorial):
     out, reply = tutorial.run(
         "%%ddp -n 1 --device cpu --display none\n"
@@ -313,6 +325,7 @@ def test_a_one_worker_ddp_cell_calling_init_process_group_itself(tutorial):
     assert "alone: 1.0 False" in out, out
 
 
+@pytest.mark.e2e
 def test_a_ddp_cell_asking_for_another_world_is_told_how_to_ask(tutorial):
     out, reply = tutorial.run(
         "%%ddp -n 2 --device cpu --display none\n"
@@ -327,28 +340,24 @@ def test_a_ddp_cell_asking_for_another_world_is_told_how_to_ask(tutorial):
 # -- in this process: what a rank's own init_process_group may ask for ------------------------
 
 
-def init_twice_and_reduce(init_method: str | None) -> tuple[float, str]:
-    """The tutorial's shape with another rendezvous each time: init, destroy, init again."""
+def init_twice_and_reduce(init_method: str | None) -> tuple[float, str, list[int]]:
+    """The tutorial's shape with another rendezvous each time: init, destroy, init again.
+    Also returns each init's TCP ports of this rank that were 12355: had the rank's own
+    rendezvous been used, rank 0 would listen there and rank 1 connect to it."""
+    import psutil
+
     rank = nbddp.rank()
+    on_12355 = []
     for _ in range(2):
         os.environ["MASTER_PORT"] = "12355"
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+        sockets = psutil.Process().net_connections("tcp")
+        ports = {c.laddr.port for c in sockets} | {c.raddr.port for c in sockets if c.raddr}
+        on_12355 += [12355] if 12355 in ports else []
         total = torch.ones(1)
         dist.all_reduce(total)
         dist.destroy_process_group()
-    return total.item(), os.environ["MASTER_PORT"]
-
-
-@pytest.mark.parametrize(
-    "init_method", [None, "env://", "tcp://127.0.0.1:12355", "file:///nonexistent/nbddp-store"]
-)
-def test_an_own_init_on_any_rendezvous_uses_nbddps_and_a_second_init_after_destroy_works(
-    init_method,
-):
-    assert nbddp.notebook_launch(init_twice_and_reduce, (init_method,), **TWO_CPU_QUIET) == (
-        2.0,
-        "12355",
-    )
+    return total.item(), os.environ["MASTER_PORT"], on_12355
 
 
 def init_from_the_environment_alone() -> str:
@@ -364,10 +373,12 @@ def init_by_url_query() -> None:
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:12355?world_size=3&rank=0")
 
 
+@pytest.mark.ranks
 def test_an_own_init_with_nothing_named_is_the_existing_world():
     assert nbddp.notebook_launch(init_from_the_environment_alone, **TWO_CPU_QUIET) == "gloo"
 
 
+@pytest.mark.ranks
 def test_another_rank_is_a_clear_error():
     with pytest.raises(nbddp.WorkerError, match="asks to be rank 0") as caught:
         nbddp.notebook_launch(init_as_rank_zero, **TWO_CPU_QUIET)
@@ -375,6 +386,7 @@ def test_another_rank_is_a_clear_error():
     assert "Pass rank=nbddp.rank()" in str(caught.value)
 
 
+@pytest.mark.ranks
 def test_a_url_asking_for_another_world_is_a_clear_error():
     with pytest.raises(ValueError, match=r"world_size=3\) asks for a world of 3 ranks"):
         nbddp.notebook_launch(init_by_url_query, **TWO_CPU_QUIET)
@@ -387,6 +399,7 @@ def init_nccl_on_cpu() -> tuple[str, list[str]]:
     return dist.get_backend(), [str(w.message) for w in seen]
 
 
+@pytest.mark.ranks
 @pytest.mark.skipif(torch.cuda.is_available(), reason="NCCL would work on this machine")
 def test_nccl_asked_on_a_cpu_launch_keeps_gloo_and_says_so():
     backend, said = nbddp.notebook_launch(init_nccl_on_cpu, **TWO_CPU_QUIET)
@@ -399,6 +412,7 @@ def destroy_then_return() -> int:
     return nbddp.rank()
 
 
+@pytest.mark.ranks
 def test_the_users_destroy_at_once_breaks_no_peer_and_no_work_after_fn():
     """A rank that destroys the group as soon as it has it: its peer may still be connecting
     (gloo), which broke ~1 launch in 20 before every build waited for all ranks."""
@@ -409,6 +423,7 @@ def test_the_users_destroy_at_once_breaks_no_peer_and_no_work_after_fn():
         ]
 
 
+@pytest.mark.ranks
 def test_the_users_destroy_in_a_session_task_and_the_next_task_has_a_group():
     with nbddp.Session(num_workers=2, device="cpu") as session:
         assert session.run(init_twice_and_reduce, ("env://",), display="none")[0] == 2.0
@@ -421,6 +436,7 @@ def reduce_ones() -> float:
     return total.item()
 
 
+@pytest.mark.ranks
 def test_a_notebook_import_of_init_process_group_by_name_is_answered_too():
     namespace: dict = {"__name__": "__main__", "nbddp": nbddp, "torch": torch}
     exec(
@@ -443,6 +459,7 @@ def local_rank_and(index: int, value: str) -> tuple[int, int, str]:
     return index, nbddp.local_rank(), value
 
 
+@pytest.mark.ranks
 def test_spawn_passes_the_local_rank_first_and_join_false_gives_the_run():
     run = nbddp.spawn(
         local_rank_and, ("x",), nprocs=2, join=False, device="cpu", display="none", daemon=False
@@ -455,6 +472,7 @@ def test_spawn_passes_the_local_rank_first_and_join_false_gives_the_run():
     ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("options", "says"),
     [
@@ -475,6 +493,7 @@ def test_spawn_refuses_bad_options_before_any_process_starts(options, says):
         nbddp.spawn(local_rank_and, **{"args": ("x",), "device": "cpu", **options})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("kernel_visible", "gpus"), [(None, (0, 1)), (None, (3, 1)), ("5,6,7", (2, 0))]
 )
@@ -498,6 +517,7 @@ def test_a_ranks_local_rank_is_its_cuda_index_so_the_tutorials_gpu_lines_land_ri
         assert visible[int(env["LOCAL_RANK"])] == kernel_names[gpus[rank]]
 
 
+@pytest.mark.ranks
 @pytest.mark.gpu
 def test_the_tutorial_with_its_gpu_lines_lands_each_rank_on_its_gpu():
     """Unchanged GPU lines: ``.to(rank)``, ``device_ids=[rank]``, ``torch.cuda.set_device``."""

@@ -37,6 +37,7 @@ def train(until: int, resume: bool) -> dict[str, torch.Tensor]:
     return {**nbddp.unwrap(model).state_dict(), "losses": torch.tensor(progress["losses"])}
 
 
+@pytest.mark.ranks
 def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path):
     whole = nbddp.notebook_launch(
         train, (9, False), checkpoint_dir=tmp_path / "whole", **TWO_CPU_QUIET
@@ -56,6 +57,7 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
     assert sorted(os.listdir(tmp_path / "cut")) == ["step-8", "step-9"]
 
 
+@pytest.mark.ranks
 def test_keep_and_the_default_directory_named_after_the_function(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     nbddp.notebook_launch(train, (5, True), keep=3, **TWO_CPU_QUIET)
@@ -88,6 +90,7 @@ def restored() -> tuple[int | None, list[float], int]:
     return step, values, state["meta"].get("step", -1)
 
 
+@pytest.mark.ranks
 def test_a_save_cut_short_by_a_kill_is_never_loaded(tmp_path):
     options = {**TWO_CPU_QUIET, "checkpoint_dir": tmp_path}
     cut_short = 0
@@ -132,6 +135,7 @@ def plain_restore() -> dict[str, torch.Tensor]:
     return dict(model.named_parameters())
 
 
+@pytest.mark.ranks
 def test_fsdp2_shards_save_and_restore_into_the_same_or_another_world(tmp_path):
     options = {**TWO_CPU_QUIET, "checkpoint_dir": tmp_path}
     whole = nbddp.notebook_launch(fsdp_train, (6,), **{**options, "checkpoint_dir": tmp_path / "w"})
@@ -160,6 +164,7 @@ def missing_name(tmp: str) -> None:
     nbddp.restore({"model": torch.nn.Linear(2, 2), "scheduler": {"x": 1}})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("fn", "message"),
     [

@@ -13,6 +13,8 @@ import pytest
 from nbddp.worker.recovery import stopping
 from nbddp.worker.recovery.stopping import Agreement
 
+pytestmark = pytest.mark.unit
+
 
 def _world(seed: int, world_size: int, jitter: float) -> tuple[list[int | None], int | None]:
     """One run: ranks step in lockstep until they stop; the kernel asks mid-run. Returns the
@@ -152,19 +154,35 @@ def test_a_stop_heard_between_the_flag_read_and_the_count_still_lands_on_the_agr
     assert first_true == agreement.agreed
 
 
-def test_an_exported_runs_stop_watch_ends_with_the_function():
+def test_an_exported_runs_stop_watch_ends_with_the_function(monkeypatch):
     """Under torchrun the watch polls the store from a thread of its own; the runner closes it
     before the interpreter ends (a daemon thread unwound inside a store call aborts the
     process), and a closed watch asks for nothing."""
     import torch.distributed as dist
 
-    from nbddp.worker.recovery.standalone import POLL, Watcher
+    import nbddp.worker.recovery.standalone as standalone
+    from nbddp.worker.recovery.standalone import Watcher
 
-    store = dist.HashStore()
+    class Looked:
+        """The store, noting each look the watch takes."""
+
+        def __init__(self) -> None:
+            self.store, self.looked = dist.HashStore(), threading.Event()
+
+        def check(self, keys: list[str]) -> bool:
+            self.looked.set()
+            return self.store.check(keys)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.store, name)
+
+    store = Looked()
+    monkeypatch.setattr(standalone, "POLL", 60.0)  # a wait between looks that close cuts short
     watcher = Watcher(store, 0, 1, "nbddp/stop/0")
     watcher.start()
-    time.sleep(2 * POLL)  # it polls
+    assert store.looked.wait(30)  # it polls: it has looked and waits for the next look
     started = time.monotonic()
     watcher.close()
-    assert not watcher._thread.is_alive() and time.monotonic() - started < 2 * POLL
+    # at once: not after the wait for the next look (60 s), on any machine
+    assert not watcher._thread.is_alive() and time.monotonic() - started < 20
     assert not watcher.agreement.pending and not store.check(["nbddp/stop/0/asked"])
