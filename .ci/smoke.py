@@ -136,14 +136,25 @@ def _run_smoke(python: str, report: Path, tests: list[str] | None = None) -> lis
     )
     if done.returncode == 0:
         return None
+    return failed_in(report) or ["(the run failed before any test: see above)"]
+
+
+def failed_in(report: Path) -> list[str]:
+    """The ids of the tests that failed or erred in a JUnit report; a module that failed to
+    import (pytest then runs nothing) as its path, ``tests/rules/test_x.py``: pytest writes it
+    as a test case without a class whose name is the module's dotted name."""
+    if not report.exists():
+        return []
     failed = []
-    if report.exists():
-        for case in ET.parse(report).iter("testcase"):
-            if case.find("failure") is not None or case.find("error") is not None:
-                module = case.get("classname", "").replace(".", "/") + ".py"
-                name = case.get("name")  # none for a module that failed to import
-                failed.append(f"{module}::{name}" if name else module)
-    return failed or ["(the run failed before any test: see above)"]
+    for case in ET.parse(report).iter("testcase"):
+        if case.find("failure") is None and case.find("error") is None:
+            continue
+        classname, name = case.get("classname", ""), case.get("name", "")
+        if classname:
+            failed.append(f"{classname.replace('.', '/')}.py::{name}")
+        else:
+            failed.append(f"{name.replace('.', '/')}.py")
+    return failed
 
 
 def _name_the_culprit(
@@ -174,8 +185,10 @@ def _name_the_culprit(
         print(f"-- {name} {installed[name]} -> {locked[name]} (the locked one), then {len(tests)}")
         _pip(python, env, "install", f"{name}=={locked[name]}")
         still = _run_smoke(python, venv / "culprit.xml", tests) or []
-        if still and not any(t.endswith(".py") or "::" in t for t in still):
-            still = tests  # the run itself broke: nothing is learnt from it
+        broken = [t for t in still if "::" not in t]  # a module that failed to import, or none ran
+        if broken:
+            print(f"-- nothing learnt with {name} {locked[name]}: {', '.join(broken)} did not run")
+            still = tests
         for test in tests:
             if test not in still:
                 print(f"== BROKEN BY {name} {installed[name]} (passes with {locked[name]}): {test}")

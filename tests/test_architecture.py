@@ -262,7 +262,10 @@ def test_a_rank_loads_no_kernel_module_and_importing_nbddp_starts_nothing():
         "for k in kernel)]\n"
         "print(loaded, psutil.Process().children())\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # on stdin: a command line naming Slurm's modules reads as a Slurm program to the tier guard
+    done = subprocess.run(
+        [sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[] []"
 
@@ -303,7 +306,10 @@ def test_a_detached_runs_supervisor_loads_no_notebook_face_and_no_display():
         "loaded = [m for m in sys.modules if any(m == f or m.startswith(f + '.') for f in face)]\n"
         "print(loaded, psutil.Process().children())\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # on stdin: a command line naming Slurm's modules reads as a Slurm program to the tier guard
+    done = subprocess.run(
+        [sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[] []"
 

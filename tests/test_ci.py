@@ -293,3 +293,36 @@ def test_pip_is_tried_once_more_only_when_the_index_failed(
     with pytest.raises(subprocess.CalledProcessError):
         ci._pip(sys.executable, {}, "install", "torch==9")
     assert len(calls) == 1  # a request that cannot be met is no infrastructure error
+
+
+def test_a_module_that_failed_to_import_blames_no_release(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pytest writes a module that failed to import as a case without a class, and runs nothing
+    else: a round of the search that ends so learns nothing (stop 47 blamed numpy for a torch
+    2.2 failure, after numpy 2 broke torch 2.2's import of a test module)."""
+    ci = smoke()
+    report = tmp_path / "report.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="" name="tests.rules.test_sync_check">'
+        '<error message="collection failure">ImportError</error></testcase>'
+        '<testcase classname="tests.test_launch" name="test_a[x y]"><failure/></testcase>'
+        '<testcase classname="tests.test_launch" name="test_b"/>'
+        "</testsuite></testsuites>"
+    )
+    assert ci.failed_in(report) == [
+        "tests/rules/test_sync_check.py",
+        "tests/test_launch.py::test_a[x y]",
+    ]
+
+    failing = ["tests/test_launch.py::test_a[x y]"]
+    rounds = [["tests/rules/test_sync_check.py"], None]  # numpy: import broke; torch: passes
+    monkeypatch.setattr(ci, "_pip", lambda *args: None)
+    monkeypatch.setattr(ci, "_run_smoke", lambda python, report, tests: rounds.pop(0))
+    installed, locked = {"numpy": "1.26.4", "torch": "2.2.0"}, {"numpy": "2.4.6", "torch": "2.14.1"}
+    ci._name_the_culprit(sys.executable, {}, failing, installed, locked, tmp_path)
+    out = capsys.readouterr().out
+    assert "BROKEN BY numpy" not in out
+    assert "nothing learnt with numpy 2.4.6: tests/rules/test_sync_check.py did not run" in out
+    assert "== BROKEN BY torch 2.2.0 (passes with 2.14.1): tests/test_launch.py::test_a[x y]" in out

@@ -25,7 +25,7 @@ from typing import Any
 
 from nbddp.errors import SerializationError
 from nbddp.errors.notices import warn_user
-from nbddp.wire import in_place, payload, torch_settings
+from nbddp.wire import in_place, payload, torch_settings, unpickling
 from nbddp.wire import segment as shared
 from nbddp.wire.culprit import describe, function_children, locate_unpicklable
 from nbddp.wire.messages import SharedLayout
@@ -191,7 +191,7 @@ def loads_call(stream: bytes, layout: SharedLayout | None, fds: list[int], devic
     for fd in fds[files:]:
         os.close(fd)
     with payload.arriving_on(device):
-        fn, args, kwargs, *settings = pickle.loads(stream, buffers=buffers)
+        fn, args, kwargs, *settings = unpickling.loads(stream, buffers)
     for each in settings:
         torch_settings.apply(each, device)
     return fn, args, kwargs

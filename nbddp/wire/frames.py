@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from nbddp.wire import unpickling
+
 _HEAD = struct.Struct("!IIQ")  # buffers, fds, pickle length
 _SIZE = struct.Struct("!Q")
 _MAX_FDS = 253  # Linux's most per message (SCM_MAX_FD)
@@ -144,7 +146,7 @@ class FrameReader:
             if self._stage == "done":
                 self._check_descriptors()
                 frame = Frame(
-                    pickle.loads(self._pickle, buffers=self._buffers), self._buffers, self._fds
+                    unpickling.loads(self._pickle, self._buffers), self._buffers, self._fds
                 )
                 self._reset()
                 return frame

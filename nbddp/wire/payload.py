@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nbddp.errors import SerializationError
-from nbddp.wire import in_place
+from nbddp.wire import in_place, unpickling
 from nbddp.wire.code_origin import OriginPickler
 from nbddp.wire.culprit import locate_unpicklable
 from nbddp.wire.on_cpu import cpu_copy
@@ -265,7 +265,7 @@ class _Discard(io.RawIOBase):
 
 
 def loads(data: bytes, buffers: list[Any] | None = None) -> Any:
-    return pickle.loads(data, buffers=buffers)
+    return unpickling.loads(data, buffers)
 
 
 def notebook_sources() -> dict[str, tuple[Any, ...]]:

@@ -81,7 +81,7 @@ def snapshot(random: bool = True) -> Settings:
         for path, name in _FLAGS:
             _read(settings, f"{path}.{name}", lambda p=path, n=name: getattr(_module(p), n))
         for getter, _ in _SDP:
-            _read(settings, f"sdp.{getter}", getattr(torch.backends.cuda, getter))
+            _read(settings, f"sdp.{getter}", lambda g=getter: getattr(torch.backends.cuda, g)())
         if random:
             settings["random"] = _random_state(torch)
     return settings
@@ -124,8 +124,8 @@ def apply(settings: Settings, device: Any = None) -> None:
         for getter, setter in _SDP:
             if f"sdp.{getter}" in settings:
                 _set(
-                    getattr(torch.backends.cuda, getter),
-                    getattr(torch.backends.cuda, setter),
+                    lambda g=getter: getattr(torch.backends.cuda, g)(),
+                    lambda v, s=setter: getattr(torch.backends.cuda, s)(v),
                     settings[f"sdp.{getter}"],
                 )
         if "random" in settings:

@@ -123,3 +123,33 @@ def test_out_of_band_tensors_round_trip_without_copying_into_the_stream():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     assert isinstance(back["param"], torch.nn.Parameter) and back["param"] is back["again"]
     back["big"] += 1  # writable memory, not a read-only view of a message
+
+
+def test_a_sparse_tensor_that_arrived_is_not_checked_again_by_the_next_torch_load(tmp_path):
+    """Unpickling a sparse tensor leaves it on torch's list of sparse tensors to check, which
+    only ``torch.load`` empties: after a result carrying one, the kernel's next
+    ``torch.load(weights_only=True)`` warned about it (stop 47, under ``-W error``: failed)."""
+    import io
+    import socket
+    import warnings
+
+    from nbddp.wire.frames import Connection
+
+    sparse = torch.eye(3).to_sparse()
+    arrived = loads(dumps({"value": sparse}, what="the result", root="value"))  # a result
+    assert torch.equal(arrived["value"].to_dense(), torch.eye(3))
+    assert not torch._utils._sparse_tensors_to_validate
+    ends = [Connection(s) for s in socket.socketpair()]  # a message's path
+    try:
+        ends[0].send({"metric": sparse})
+        assert torch.equal(ends[1].recv(timeout=10).message["metric"].to_dense(), torch.eye(3))
+    finally:
+        for end in ends:
+            end.close()
+    assert not torch._utils._sparse_tensors_to_validate
+    saved = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, saved)
+    saved.seek(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(torch.load(saved, weights_only=True)["w"], torch.ones(2))

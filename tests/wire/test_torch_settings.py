@@ -115,3 +115,18 @@ def test_torchs_state_travels_only_when_used(defaults):
 def test_a_kernel_without_torch_carries_nothing(monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, "torch")
     assert torch_settings.snapshot() == {}
+
+
+def test_an_older_torch_without_a_setting_skips_it_on_both_ends(defaults, monkeypatch):
+    """torch 2.2 (our oldest) has no cuDNN attention backend: the kernel's snapshot skips it,
+    and a rank whose torch lacks it ignores a snapshot that carries it."""
+    settings = torch_settings.snapshot()
+    assert "sdp.cudnn_sdp_enabled" in settings
+    monkeypatch.delattr(torch.backends.cuda, "cudnn_sdp_enabled")
+    monkeypatch.delattr(torch.backends.cuda, "enable_cudnn_sdp")
+    older = torch_settings.snapshot()
+    assert "sdp.cudnn_sdp_enabled" not in older
+    assert older["sdp.flash_sdp_enabled"] == settings["sdp.flash_sdp_enabled"]
+    torch_settings.apply(
+        {**settings, "sdp.cudnn_sdp_enabled": not settings["sdp.cudnn_sdp_enabled"]}
+    )

@@ -29,8 +29,12 @@ def test_the_exit_status_is_pythons(code, status, capsys):
 
 @pytest.fixture
 def modules(tmp_path, monkeypatch):
-    """A place for the user's modules, on the path, forgotten afterwards."""
+    """A place for the user's modules, on the path, forgotten afterwards. The process "starts"
+    with the test: a test file of this suite edited while it runs (loaded by pytest: a user's
+    module to ``forget_for``) is not taken as edited since, nor dropped from pytest's modules."""
     monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    started = time.time() - 1  # a file's time is the kernel's coarse clock: it may lag a little
+    monkeypatch.setattr(script_modules, "_started_at", lambda: started)
     made: list[str] = []
 
     def make(where: str, name: str, text: str) -> Path:
