@@ -40,6 +40,9 @@ def why_not() -> str | None:
     return None
 
 
+_UNDER_WAY = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING"}
+
+
 class Slurm:
     """The running cluster: run a client command inside node A's namespace with ``run``."""
 
@@ -63,6 +66,23 @@ class Slurm:
             **options,  # type: ignore[call-overload]
         )
 
+    def submit_and_wait(self, batch: str, cwd: Path, timeout: float = 300) -> str:
+        """``sbatch`` the file and wait until the job ended; its last state (``COMPLETED``,
+        ``FAILED``, ...). Not ``sbatch --wait``: it looks at 2, 10 and 42 s (its sleep grows
+        fourfold while under MinJobAge / 3), so a job of 3 s was seen ended after 10."""
+        done = self.run(["sbatch", "--parsable", batch], cwd=cwd)
+        assert done.returncode == 0, done.stderr
+        job = done.stdout.strip().split(";")[0]
+        deadline = time.monotonic() + timeout
+        while True:
+            shown = self.run(["scontrol", "show", "job", "--oneliner", job])
+            fields = dict(f.partition("=")[::2] for f in shown.stdout.split() if "=" in f)
+            state = fields.get("JobState", "")
+            if state and state not in _UNDER_WAY and job not in " ".join(self.queue()):
+                return state
+            assert time.monotonic() < deadline, f"job {job} still {state} after {timeout} s"
+            time.sleep(0.5)  # a poll of Slurm's state: Slurm tells no one when a job ends
+
     def queue(self) -> list[str]:
         """The jobs and their states. A squeue that failed (slurmctld busy on a loaded
         machine) is asked again, never read as an empty queue."""
@@ -84,7 +104,7 @@ SlurmctldHost={os.uname().nodename}({ADDRESSES[0]})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={munge_socket},cred_expire=30
+AuthInfo=socket={munge_socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
@@ -98,6 +118,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=5
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2

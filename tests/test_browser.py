@@ -141,7 +141,7 @@ def train():
     dist.barrier()
 
 import torch
-nbddp.notebook_launch(train, num_workers=3, device="cpu", stall_after=3, timeout=40)
+nbddp.notebook_launch(train, num_workers=3, device="cpu", stall_after=3, timeout=20)
 """
 
 

@@ -48,9 +48,9 @@ def test_the_batch_file_runs_the_function_on_both_nodes(slurm, tmp_path):
         nodes=2,
         checkpoint_dir=tmp_path / "checkpoints",
     )
-    done = slurm.run(["sbatch", "--wait", paths[2]], timeout=300, cwd=tmp_path)
+    state = slurm.submit_and_wait(paths[2], cwd=tmp_path)
     output = "".join(p.read_text() for p in tmp_path.glob("train-*.out"))
-    assert done.returncode == 0, done.stderr + output
+    assert state == "COMPLETED", state + output
     value = pickle.loads((tmp_path / "train.result.pkl").read_bytes())
     # one rank per node, each on the interface that reaches node 0 (not the hostname's address)
     assert value == [[6.0, 6.0, 6.0], [("0", VETHS[0]), ("1", VETHS[1])]]
@@ -76,10 +76,10 @@ def test_a_failing_rank_ends_the_whole_job(slurm, tmp_path):
         checkpoint_dir=tmp_path / "checkpoints",
     )
     started = time.monotonic()
-    done = slurm.run(["sbatch", "--wait", paths[2]], timeout=300, cwd=tmp_path)
+    state = slurm.submit_and_wait(paths[2], cwd=tmp_path)
     took = time.monotonic() - started
     output = "".join(p.read_text() for p in tmp_path.glob("fails-*.out"))
-    assert done.returncode != 0
+    assert state == "FAILED", state + output
     assert "ValueError: rank 1 on node b gives up" in output
     assert took < 240, f"the job ran on for {took:.0f} s after rank 1 failed"
     assert not (tmp_path / "fails.result.pkl").exists()

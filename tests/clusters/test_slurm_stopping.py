@@ -87,7 +87,7 @@ def test_the_stop_signal_checkpoints_and_the_requeued_job_resumes(slurm, tmp_pat
     signalled = slurm.run(["scancel", "--signal=USR1", "--batch", job])
     assert signalled.returncode == 0, signalled.stderr
     requeued = _requeued(slurm, job, tmp_path, deadline=time.monotonic() + 300)
-    # Slurm holds a requeued job for its credentials' lifetime (tests/slurm_cluster.py: 30 s):
+    # Slurm holds a requeued job for its credentials' lifetime (tests/slurm_cluster.py: 10 s):
     # starting it sooner ("StartTime=now") races slurmd, which refuses the job's revoked
     # credential until then ("Job credential revoked": stop 47's CI)
     assert wait_until(lambda: not _queued(slurm, job), timeout=240), slurm.queue()
