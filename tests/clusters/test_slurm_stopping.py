@@ -124,11 +124,11 @@ def test_slurms_own_signal_before_the_time_limit_stops_every_rank_at_one_step(sl
         device="cpu",
         checkpoint_dir=checkpoints,
     )
-    # A three-minute limit and the signal 60 s before it: Slurm itself sends it (up to a
-    # minute early, its man page says, so 60 to 120 s in) while the ranks train; 400 s of
-    # training cannot end first.
+    # A two-minute limit and the signal 60 s before it: Slurm itself sends it at the first of
+    # its time-limit checks (every 30 s) that finds the limit within 60 + 30 s, so 30 to 60 s
+    # in, while the ranks train (they start within seconds); 400 s of training cannot end first.
     done = slurm.run(
-        ["sbatch", "--parsable", "--time=3", "--signal=B:USR1@60", paths[2]], cwd=tmp_path
+        ["sbatch", "--parsable", "--time=2", "--signal=B:USR1@60", paths[2]], cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
     job = done.stdout.strip().split(";")[0]
