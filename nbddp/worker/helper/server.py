@@ -28,6 +28,7 @@ import socket
 import sys
 import time
 
+from nbddp.wire.code_origin import standing_in_sys_modules
 from nbddp.wire.frames import Connection
 from nbddp.wire.helper import (
     Exited,
@@ -257,6 +258,7 @@ class _Helper:
         if forked.known_generation != self.generation:
             forked.known = frozenset(sys.modules)
             forked.known_generation = self.generation
+            standing_in_sys_modules()  # read here once: a rank reads only what it imports
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             pid = forked.fork_child([*self._inherited(), ours.fileno()], theirs)
