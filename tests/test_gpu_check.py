@@ -61,6 +61,7 @@ def test_the_report_says_what_failed_and_what_could_not_be_checked():
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.gpu_rehearsal  # out of the README's run: .ci/run gives it a step of its own
 @pytest.mark.timeout(600)
 def test_the_cpu_rehearsal_runs_every_section_without_an_error(tmp_path):
     """Every section's harness on the CPU, IPython hidden as on the device machine (but for

@@ -11,9 +11,12 @@ A test with no tier or with two fails the collection of its file, with what to a
 one that asks for a kernel or a Slurm fixture without being ``e2e``. Each tier has its own
 per-test timeout (:data:`TIMEOUT`), unless the test names its own with ``timeout``.
 
-Two marks keep tests out of a plain run: ``quarantine`` (known flaky: ``.ci/run`` runs them in
-a step of their own that does not fail CI, ``.ci/quarantine.py``) and ``catalyst21`` (needs a
-venv of its own). Such a test runs only when the ``-m`` expression names its mark.
+Three marks keep tests out of a plain run: ``quarantine`` (known flaky: ``.ci/run`` runs them in
+a step of their own that does not fail CI, ``.ci/quarantine.py``), ``catalyst21`` (needs a venv
+of its own) and ``gpu_rehearsal`` (``benchmarks/gpu_check.py --cpu-rehearsal``: 70-90 s of a
+benchmark's harness, a tenth of the suite's time on two workers; ``.ci/run`` runs it in a step
+of its own, which fails CI like the suite). Such a test runs only when the ``-m`` expression
+names its mark.
 
 Non-goal: deciding tiers by itself. The mark is the author's statement; this module checks it.
 """
@@ -49,6 +52,7 @@ E2E_PROGRAMS = re.compile(
 OPT_IN = {
     "quarantine": "quarantined (.ci/run runs them in a step of their own: .ci/quarantine.py)",
     "catalyst21": "need Catalyst 21.x (.ci/run runs them in a venv of their own)",
+    "gpu_rehearsal": "the GPU check's CPU rehearsal (.ci/run runs it in a step of its own)",
 }
 QUARANTINE_LIMIT = 5  # more quarantined tests than this fail CI (.ci/quarantine.py)
 QUARANTINE_LANDINGS = 2  # a quarantined test may stay for this many landings, its first included
