@@ -78,7 +78,8 @@ class Slurm:
             shown = self.run(["scontrol", "show", "job", "--oneliner", job])
             fields = dict(f.partition("=")[::2] for f in shown.stdout.split() if "=" in f)
             state = fields.get("JobState", "")
-            if state and state not in _UNDER_WAY and job not in " ".join(self.queue()):
+            queued = any(line.split()[0] == job for line in self.queue())
+            if state and state not in _UNDER_WAY and not queued:
                 return state
             assert time.monotonic() < deadline, f"job {job} still {state} after {timeout} s"
             time.sleep(0.5)  # a poll of Slurm's state: Slurm tells no one when a job ends
