@@ -106,6 +106,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.flaky(reruns=1, only_rerun=INFRASTRUCTURE))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker under ``--dist loadgroup``: every grouped test's id must carry its
+    group (xdist's side channel to its scheduler), or the groups are silently ignored and tests
+    that must not share the machine run side by side. pytest 9.2 with pytest-xdist 3.8 does
+    exactly that (pytest-dev/pytest-xdist#1386), so the run stops here, saying so."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [
+        item.nodeid
+        for item in session.items
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid
+    ]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup ignored the groups of {len(lost)} tests (first: "
+            f"{lost[0]}): this pytest ({pytest.__version__}) and pytest-xdist do not work "
+            "together (pytest-dev/pytest-xdist#1386). Install the tested versions: "
+            '.venv/bin/pip install -e ".[dev]" -c .ci/constraints.txt'
+        )
+
+
 @pytest.hookimpl(tryfirst=True, wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Outermost: the wait for a turn is not part of the test (nor of its timeout)."""

@@ -236,6 +236,30 @@ def test_an_alone_test_waits_for_the_running_ones_and_goes_before_later_ones(
     assert order == ["ordinary ends", "alone runs", "later runs"]
 
 
+def test_a_run_whose_groups_xdist_would_ignore_stops_saying_which_versions_to_install(
+    pytester: pytest.Pytester,
+) -> None:
+    """pytest 9.2 with pytest-xdist 3.8 (xdist#1386) silently drops every ``xdist_group``: a
+    worker of ``--dist loadgroup`` whose grouped tests lack their ``@group`` stops the run,
+    saying so, instead of running the Ray, browser and port tests side by side."""
+    pytester.makeconftest(
+        "def pytest_configure(config):\n    config.option.loadgroup = True  # as a worker's\n"
+    )
+    source = """
+        import pytest
+
+        @pytest.mark.unit
+        @pytest.mark.xdist_group("port-12355")
+        def test_grouped():
+            pass
+    """
+    result = run(pytester, source)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*ignored the groups of 1 tests*xdist#1386*constraints.txt*"])
+    pytester.makeconftest("")  # no loadgroup (a run without xdist): nothing to check
+    assert run(pytester, source).ret == pytest.ExitCode.OK
+
+
 def test_the_readme_test_command_is_the_one_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     [command] = re.findall(r"^python3 -m venv .venv && .*pytest.*$", readme, re.MULTILINE)

@@ -203,7 +203,6 @@ def test_stop_and_timeout_end_every_rank(cluster, tmp_path):
 
 
 def test_impossible_requests_are_refused_before_anything_starts(cluster):
-    uses_a_local_module = _uses(_a_module_only_in_the_kernel())
     with starts_nothing():
         with pytest.raises(ValueError, match=r"2 alive node\(s\) can hold 1 rank\(s\)"):
             nbddp.notebook_launch(abs, (-1,), **RAY, nodes=3)
@@ -211,8 +210,17 @@ def test_impossible_requests_are_refused_before_anything_starts(cluster):
             nbddp.notebook_launch(abs, (-1,), cluster="ray", device="cuda")
         with pytest.raises(ValueError, match="nodes=2 x workers_per_node=1 is 2"):
             nbddp.notebook_launch(abs, (-1,), **RAY, num_workers=3)
-        with pytest.raises(ValueError, match=r"nbddp_only_here, which node .* cannot import"):
-            nbddp.notebook_launch(uses_a_local_module, **RAY)
+
+
+def test_a_module_no_node_can_import_is_refused_before_any_rank_starts(helpers):
+    """Only the node can say what it cannot import: its helper (the node's warm helper, up
+    here as after any launch; a first launch starts it to ask) is asked, and nothing else
+    starts. Apart from the checks above, which need no node, so that neither passes only
+    because an earlier test started the helpers."""
+    uses_a_local_module = _uses(_a_module_only_in_the_kernel())
+    refused = pytest.raises(ValueError, match=r"nbddp_only_here, which node .* cannot import")
+    with starts_nothing(), refused:
+        nbddp.notebook_launch(uses_a_local_module, **RAY)
 
 
 def _a_module_only_in_the_kernel():
