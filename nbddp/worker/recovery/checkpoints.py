@@ -12,10 +12,11 @@ A checkpoint is written under a partial name and renamed to ``step-N`` by rank 0
 rank's files and DCP's metadata are written and synced: a rename is atomic, so a save cut short
 by a kill leaves a partial directory that ``restore`` never sees, and that the next complete
 save removes (one run writes into a directory at a time). The last ``keep`` complete
-checkpoints (by the time they were saved) are kept. Values saved on several ranks (a DDP
-model, a dict's plain values) are written once, rank 0's. ``restore`` loads the latest one;
-rank 0 chooses it and tells the others, so every rank loads the same even on a file system
-whose listings lag.
+checkpoints (by the time they were saved) are kept; an older one is renamed to a partial name
+before it is deleted, so a kill during the prune never leaves a ``step-N`` missing files.
+Values saved on several ranks (a DDP model, a dict's plain values) are written once, rank
+0's. ``restore`` loads the latest one; rank 0 chooses it and tells the others, so every rank
+loads the same even on a file system whose listings lag.
 
 Non-goal: asynchronous saves, and storage other than a file system every rank can reach
 (several machines need a shared one).
@@ -240,10 +241,22 @@ def _complete(root: str, partial: str, final: str, step: int, names: list[str]) 
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     for _, _, path, _ in complete_checkpoints(root)[: -keep()]:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
     for name in os.listdir(root):  # saves cut short (ours is complete: none of ours is left)
         if name.startswith(PARTIAL):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _remove(path: str) -> None:
+    """An old checkpoint, out of the ``step-N`` names first (a rename is atomic), then deleted:
+    a kill in the middle of the delete leaves a partial name, which the next save clears,
+    never a ``step-N`` with some of its files gone."""
+    doomed = os.path.join(os.path.dirname(path), f"{PARTIAL}pruned-{os.path.basename(path)}")
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        return  # gone already, or not ours to move
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _sync_directory(path: str) -> None:

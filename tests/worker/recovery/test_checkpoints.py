@@ -177,3 +177,44 @@ def test_what_cannot_be_saved_or_restored_is_said(tmp_path, fn, message):
     args = (str(tmp_path),) if fn is missing_name else ()
     with pytest.raises(ValueError, match=message):
         nbddp.notebook_launch(fn, args, num_workers=1, device="cpu", checkpoint_dir=tmp_path)
+
+
+class Killed(BaseException):
+    """SIGKILL, as far as the code under test can tell: it stops where it is."""
+
+
+@pytest.mark.unit
+def test_a_kill_while_an_old_checkpoint_is_pruned_leaves_no_step_missing_files(
+    tmp_path, monkeypatch
+):
+    """A kill that lands while rank 0 deletes a checkpoint past ``keep`` (the kill test above
+    found ``step-2`` without its ``nbddp.json`` under load): the old one leaves its ``step-N``
+    name before any file of it goes, so every ``step-N`` left is whole."""
+    import json
+    import shutil
+
+    from nbddp.worker.recovery import checkpoints
+
+    old = tmp_path / "step-1"
+    old.mkdir()
+    (old / "__0_0.distcp").write_bytes(b"shard")
+    (old / COMPLETE).write_text(json.dumps({"step": 1, "saved": 1.0, "names": ["model"]}))
+    partial = tmp_path / f"{PARTIAL}run-1-step-2"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"shard")
+
+    def killed_midway(path, ignore_errors=False):
+        os.remove(os.path.join(path, COMPLETE))  # rmtree got this far
+        raise Killed
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    previous = checkpoints.configure(str(tmp_path), keep=1)
+    try:
+        with pytest.raises(Killed):
+            checkpoints._complete(str(tmp_path), str(partial), str(tmp_path / "step-2"), 2, [])
+    finally:
+        checkpoints.configure(*previous)
+    steps = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-2"]
+    assert all((tmp_path / name / COMPLETE).exists() for name in steps)
+    assert [c[1] for c in complete_checkpoints(str(tmp_path))] == [2]

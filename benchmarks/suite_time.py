@@ -1,0 +1,122 @@
+"""How long the README's test command takes, and where the time goes (issue #42).
+
+Runs ``NBDDP_CI=1 pytest -n N --dist loadgroup`` (the README's command; ``--workers`` changes
+N) ``--runs`` times in a row, watching each test's start and end on its worker
+(``suite_observer.py``, a plugin that only records) and the machine's CPU (``/proc/stat``,
+once a second). For each run: the wall time, pytest's exit, how busy the cores were, when each
+worker ended, and the files that took longest. Then the wall times' p50 and maximum.
+
+    .venv/bin/python benchmarks/suite_time.py --runs 3 [--workers 2] [--out DIR]
+
+Why the CPU: a suite whose cores idle while tests wait (Slurm's clock, stall thresholds)
+gains from one more worker; one that keeps them busy gains only from less work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, idle) jiffies of the whole machine."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq = fields[:7]
+    return user + nice + system + irq + softirq, idle + iowait
+
+
+def one_run(workers: int, folder: Path) -> dict:
+    folder.mkdir(parents=True)
+    env = {
+        **os.environ,
+        "NBDDP_CI": "1",
+        "NBDDP_SUITE_TIMELINE": str(folder),
+        # the observer alone on the path (not benchmarks/, whose modules' names are common)
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])),
+    }
+    shutil.copy(Path(__file__).with_name("suite_observer.py"), folder)
+    command = [sys.executable, "-m", "pytest", "-n", str(workers), "--dist", "loadgroup"]
+    command += ["-p", "suite_observer", "-p", "no:cacheprovider"]
+    samples: list[tuple[int, int]] = [cpu_ticks()]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(1.0):
+            samples.append(cpu_ticks())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    started = time.monotonic()
+    with open(folder / "pytest.log", "w") as log:
+        rc = subprocess.call(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.monotonic() - started
+    done.set()
+    sampler.join()
+    samples.append(cpu_ticks())
+    busy = samples[-1][0] - samples[0][0]
+    idle = samples[-1][1] - samples[0][1]
+    tests = [json.loads(line) for f in folder.glob("*.jsonl") for line in f.open() if line.strip()]
+    first = min((t["start"] for t in tests), default=0.0)
+    ends = collections.defaultdict(float)
+    by_file: collections.Counter[str] = collections.Counter()
+    for t in tests:
+        ends[t["worker"]] = max(ends[t["worker"]], t["end"] - first)
+        by_file[t["id"].split("::")[0]] += t["end"] - t["start"]
+    summary = (folder / "pytest.log").read_text().strip().splitlines()[-1:]
+    return {
+        "wall": wall,
+        "rc": rc,
+        "busy": busy / max(1, busy + idle),
+        "core_seconds": busy / os.sysconf("SC_CLK_TCK"),
+        "worker_ends": dict(sorted(ends.items())),
+        "test_seconds": sum(by_file.values()),
+        "files": by_file.most_common(8),
+        "summary": summary[0] if summary else "",
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="a folder (default: a new one)")
+    options = parser.parse_args()
+    out = options.out or Path(tempfile.mkdtemp(prefix="suite-time-"))
+    results = []
+    for index in range(options.runs):
+        result = one_run(options.workers, out / f"run{index + 1}")
+        results.append(result)
+        ends = ", ".join(f"{w} {e:.0f} s" for w, e in result["worker_ends"].items())
+        print(
+            f"run {index + 1}: {result['wall']:.0f} s, exit {result['rc']}, cores "
+            f"{result['busy']:.0%} busy ({result['core_seconds']:.0f} core-s), "
+            f"{result['test_seconds']:.0f} s of test time; workers ended at {ends}",
+            flush=True,
+        )
+        print(f"  {result['summary']}")
+        for name, seconds in result["files"]:
+            print(f"  {seconds:6.1f} s  {name}")
+    walls = [r["wall"] for r in results]
+    print(
+        f"\n{len(walls)} runs of -n {options.workers}: p50 {statistics.median(walls):.0f} s, "
+        f"max {max(walls):.0f} s; {sum(r['rc'] == 0 for r in results)} passed"
+    )
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"(each run's log and timeline: {out})")
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
