@@ -1,5 +1,7 @@
-"""How tests share one machine when pytest-xdist runs them two at a time (``-n 2 --dist
-loadgroup``, the README's command; docs/development.md, "Running in parallel").
+"""How tests share one machine when pytest-xdist runs them three at a time on two cores
+(``-n 3 --dist loadgroup``, the README's command; docs/development.md, "Running in parallel":
+with two, a fifth of the machine idled while tests waited on Slurm's clock, a stall threshold
+or a kernel).
 
 * **Groups.** What cannot run beside itself goes to one worker, in order: every test marked
   ``ray`` in the group ``ray`` (one Ray per machine: ``/tmp/ray``'s current cluster, a fixed
@@ -7,7 +9,7 @@ loadgroup``, the README's command; docs/development.md, "Running in parallel").
   ``pytest.mark.xdist_group``. The tests of a file that share its module's Jupyter kernel or
   Slurm (the ``kernel`` and ``slurm`` fixtures) stay together too, so that one serves them all.
   Two files' Slurms can run at once (their namespaces are named per process) and mostly wait
-  on Slurm's clock, so they overlap with the other worker's work.
+  on Slurm's clock, so they overlap with the other workers' work.
 * **Alone.** A test marked ``alone`` measures time or memory: it runs with no other test
   running. Every other test holds a shared lock while it runs, an ``alone`` one holds it
   exclusively; a turnstile makes a waiting ``alone`` test go next, so it is never starved. The
@@ -76,7 +78,7 @@ def _held(path: Path, how: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def turn(alone: bool) -> Iterator[None]:
-    """A test's turn: shared with the other worker's tests, or ``alone``."""
+    """A test's turn: shared with the other workers' tests, or ``alone``."""
     shared = _run_dir()
     if shared is None:
         yield

@@ -264,7 +264,7 @@ def test_the_readme_test_command_is_the_one_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     [command] = re.findall(r"^python3 -m venv .venv && .*pytest.*$", readme, re.MULTILINE)
     pytest_part = command.rpartition(" && ")[2]
-    assert " -n 2 " in f"{pytest_part} "  # the whole suite, in parallel
+    assert " -n 3 " in f"{pytest_part} "  # the whole suite, in parallel
     assert command in (ROOT / "docs" / "development.md").read_text()
     script = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
     assert re.search(re.escape(pytest_part) + r"\s", re.sub(r"\s+", " ", script)), pytest_part

@@ -14,7 +14,7 @@ per-test timeout (:data:`TIMEOUT`), unless the test names its own with ``timeout
 Three marks keep tests out of a plain run: ``quarantine`` (known flaky: ``.ci/run`` runs them in
 a step of their own that does not fail CI, ``.ci/quarantine.py``), ``catalyst21`` (needs a venv
 of its own) and ``gpu_rehearsal`` (``benchmarks/gpu_check.py --cpu-rehearsal``: 70-90 s of a
-benchmark's harness, a tenth of the suite's time on two workers; ``.ci/run`` runs it in a step
+benchmark's harness, a tenth of the suite's time; ``.ci/run`` runs it in a step
 of its own, which fails CI like the suite). Such a test runs only when the ``-m`` expression
 names its mark.
 
