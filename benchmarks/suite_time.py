@@ -6,7 +6,7 @@ N) ``--runs`` times in a row, watching each test's start and end on its worker
 once a second). For each run: the wall time, pytest's exit, how busy the cores were, when each
 worker ended, and the files that took longest. Then the wall times' p50 and maximum.
 
-    .venv/bin/python benchmarks/suite_time.py --runs 3 [--workers 3] [--out DIR]
+    .venv/bin/python benchmarks/suite_time.py --runs 3 [--workers 2] [--out DIR]
 
 Why the CPU: a suite whose cores idle while tests wait (Slurm's clock, stall thresholds)
 gains from one more worker; one that keeps them busy gains only from less work.
@@ -19,6 +19,7 @@ import collections
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -90,9 +91,12 @@ def one_run(workers: int, folder: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)  # the README's -n 2
+    parser.add_argument("--workers", type=int, default=3)  # the README's -n 3
     parser.add_argument("--out", type=Path, default=None, help="a folder (default: a new one)")
     options = parser.parse_args()
+    # started as a background job (nohup, `&` in a script), SIGINT is ignored and pytest would
+    # inherit that: the tests that interrupt a run would hang instead
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     out = options.out or Path(tempfile.mkdtemp(prefix="suite-time-"))
     results = []
     for index in range(options.runs):

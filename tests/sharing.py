@@ -29,6 +29,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -175,14 +176,25 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """xdist's controller: the run's id, which its workers get as PYTEST_XDIST_TESTRUNUID,
-    made here so that the controller knows the directory they share."""
+    """Ctrl-C as a notebook has it, and xdist's controller: the run's id, which its workers
+    get as PYTEST_XDIST_TESTRUNUID, made here so that the controller knows the directory they
+    share."""
     global _controller_uid
+    interruptible()
     config.pluginmanager.register(_Retries())
     numprocesses = getattr(config.option, "numprocesses", None)
     if numprocesses and not hasattr(config, "workerinput"):
         config.option.testrunuid = config.option.testrunuid or uuid.uuid4().hex
         _controller_uid = config.option.testrunuid
+
+
+def interruptible() -> None:
+    """SIGINT raises KeyboardInterrupt in this process, as in a kernel. A shell without job
+    control starts a background job (``cmd &`` in a script, ``nohup``) with SIGINT ignored,
+    and Python then keeps ignoring it: every test that interrupts a run (they send SIGINT to
+    their own main thread, or to a kernel they start) would hang instead, in every worker."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 _controller_uid: str | None = None

@@ -350,3 +350,17 @@ def test_a_module_that_failed_to_import_blames_no_release(
     assert "BROKEN BY numpy" not in out
     assert "nothing learnt with numpy 2.4.6: tests/rules/test_sync_check.py did not run" in out
     assert "== BROKEN BY torch 2.2.0 (passes with 2.14.1): tests/test_launch.py::test_a[x y]" in out
+
+
+def test_a_run_started_with_sigint_ignored_gets_ctrl_c_back() -> None:
+    """A background job of a shell without job control (``nohup pytest &`` in a script)
+    starts with SIGINT ignored, and Python keeps it so: the tests that interrupt a run would
+    hang (five did, in a run started so). The suite puts Python's own handler back."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sharing.interruptible()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
