@@ -17,6 +17,8 @@ or a kernel).
 * **Infrastructure retries.** A test that fails with an error of the machine, not of nbddp
   (:data:`INFRASTRUCTURE`: an address already in use), is run once more, and the summary
   names it. Nothing else is ever run again (a flaky test is quarantined instead).
+* **Ctrl-C.** A run started with SIGINT ignored (a script's background job) gets Python's
+  handler back in every worker (:func:`interruptible`): the tests that interrupt a run need it.
 * **Speed.** :func:`slowness` is how much slower than a quiet developer's machine this one is,
   measured once per run; bounds that are the point of a test scale by it.
 
