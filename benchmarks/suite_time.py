@@ -3,10 +3,10 @@
 Runs ``NBDDP_CI=1 pytest -n N --dist loadgroup`` (the README's command; ``--workers`` changes
 N) ``--runs`` times in a row, watching each test's start and end on its worker
 (``suite_observer.py``, a plugin that only records) and the machine's CPU (``/proc/stat``,
-once a second). For each run: the wall time, pytest's exit, how busy the cores were, when each
+before and after). For each run: the wall time, pytest's exit, how busy the cores were, when each
 worker ended, and the files that took longest. Then the wall times' p50 and maximum.
 
-    .venv/bin/python benchmarks/suite_time.py --runs 3 [--workers 2] [--out DIR]
+    .venv/bin/python benchmarks/suite_time.py --runs 3 [--workers 2] [--out DIR] [-- PATHS]
 
 Why the CPU: a suite whose cores idle while tests wait (Slurm's clock, stall thresholds)
 gains from one more worker; one that keeps them busy gains only from less work.
@@ -19,12 +19,10 @@ import collections
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +36,7 @@ def cpu_ticks() -> tuple[int, int]:
     return user + nice + system + irq + softirq, idle + iowait
 
 
-def one_run(workers: int, folder: Path) -> dict:
+def one_run(workers: int, folder: Path, selection: list[str]) -> dict:
     folder.mkdir(parents=True)
     env = {
         **os.environ,
@@ -49,26 +47,16 @@ def one_run(workers: int, folder: Path) -> dict:
     }
     shutil.copy(Path(__file__).with_name("suite_observer.py"), folder)
     command = [sys.executable, "-m", "pytest", "-n", str(workers), "--dist", "loadgroup"]
-    command += ["-p", "suite_observer", "-p", "no:cacheprovider"]
-    samples: list[tuple[int, int]] = [cpu_ticks()]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(1.0):
-            samples.append(cpu_ticks())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    command += ["-p", "suite_observer", "-p", "no:cacheprovider", *selection]
+    busy_before, idle_before = cpu_ticks()
     started = time.monotonic()
     with open(folder / "pytest.log", "w") as log:
         rc = subprocess.call(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
-    done.set()
-    sampler.join()
-    samples.append(cpu_ticks())
-    busy = samples[-1][0] - samples[0][0]
-    idle = samples[-1][1] - samples[0][1]
-    tests = [json.loads(line) for f in folder.glob("*.jsonl") for line in f.open() if line.strip()]
+    busy_after, idle_after = cpu_ticks()
+    busy, idle = busy_after - busy_before, idle_after - idle_before
+    lines = [line for f in folder.glob("*.jsonl") for line in f.read_text().splitlines()]
+    tests = [json.loads(line) for line in lines if line.strip()]
     first = min((t["start"] for t in tests), default=0.0)
     ends = collections.defaultdict(float)
     by_file: collections.Counter[str] = collections.Counter()
@@ -93,14 +81,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workers", type=int, default=3)  # the README's -n 3
     parser.add_argument("--out", type=Path, default=None, help="a folder (default: a new one)")
+    parser.add_argument("selection", nargs="*", help="pytest's paths or -k (default: all)")
     options = parser.parse_args()
-    # started as a background job (nohup, `&` in a script), SIGINT is ignored and pytest would
-    # inherit that: the tests that interrupt a run would hang instead
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     out = options.out or Path(tempfile.mkdtemp(prefix="suite-time-"))
     results = []
     for index in range(options.runs):
-        result = one_run(options.workers, out / f"run{index + 1}")
+        result = one_run(options.workers, out / f"run{index + 1}", options.selection)
         results.append(result)
         ends = ", ".join(f"{w} {e:.0f} s" for w, e in result["worker_ends"].items())
         print(
