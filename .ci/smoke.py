@@ -111,7 +111,11 @@ def oldest_pins() -> list[str]:
     locked = _locked()
     pins = []
     for requirement in declared:
-        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?\s*>=\s*([^,;\s]+)", requirement)
+        # A floor, and maybe a cap after it (``pytest>=8,<9.2``): the oldest run installs the floor.
+        match = re.fullmatch(
+            r"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?\s*>=\s*([^,;\s]+)(?:\s*,\s*(?:<|<=|!=)\s*[^,;\s]+)*",
+            requirement,
+        )
         if match is None:
             raise SystemExit(f"pyproject.toml: {requirement!r} has no '>=' floor to test")
         name, floor = match.groups()

@@ -3,12 +3,15 @@ real Jupyter kernel (jupyter_client) for tests that must run where users run."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import os
+import shutil
 import subprocess
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -196,17 +199,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+_kernel_sockets: str | None = None
+
+
+def kernel_config() -> Any:
+    """The configuration of every kernel a test starts (``Kernel``, nbclient): Unix sockets in
+    a directory of this process, not TCP. jupyter_client picks five free ports and the kernel
+    binds them later; meanwhile another test's process can take one, and the kernel dies of
+    "address in use" before it replies (CI, -n 3). A socket file cannot be taken that way."""
+    from traitlets.config import Config
+
+    global _kernel_sockets
+    if _kernel_sockets is None:
+        _kernel_sockets = tempfile.mkdtemp(prefix=f"kernels-{os.getpid()}-")
+        atexit.register(shutil.rmtree, _kernel_sockets, ignore_errors=True)
+    prefix = os.path.join(_kernel_sockets, uuid.uuid4().hex[:8])
+    return Config({"KernelManager": {"transport": "ipc", "ip": prefix}})
+
+
 class Kernel:
     """A real IPython kernel, driven the way a notebook frontend drives it."""
 
     def __init__(self) -> None:
         from jupyter_client.manager import KernelManager
 
-        self.manager = KernelManager(kernel_name="python3")
+        self.manager = KernelManager(kernel_name="python3", config=kernel_config())
         self.manager.start_kernel(cwd=os.getcwd())
         self.client = self.manager.client()
         self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
+        try:
+            self.client.wait_for_ready(timeout=60)
+        except BaseException:
+            # A kernel that never answered is still ended, and its sockets closed: left to
+            # the garbage collector, they warn (an error here) in whichever test runs next.
+            self.client.stop_channels()
+            self.manager.shutdown_kernel(now=True)
+            raise
 
     @property
     def pid(self) -> int:

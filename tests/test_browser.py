@@ -186,6 +186,9 @@ def _jupyterlab(tmp_path: Path, widgets: bool) -> Iterator[tuple[str, Path]]:
             f"--ServerApp.root_dir={tmp_path}",
             "--LabApp.news_url=",
             "--ServerApp.port_retries=0",
+            # Kernels on Unix sockets: no port picked free and taken before the kernel binds it.
+            "--KernelManager.transport=ipc",
+            f"--KernelManager.ip={tmp_path / 'kernel'}",
             "--allow-root",
         ],
         stdout=log,

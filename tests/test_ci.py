@@ -20,6 +20,7 @@ from types import ModuleType
 import pytest
 import sharing
 import tiers
+import tomllib
 from conftest import wait_until
 
 pytestmark = pytest.mark.unit
@@ -276,6 +277,19 @@ def smoke() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_oldest_run_pins_every_declared_floor_capped_ones_too() -> None:
+    """Stop 48's CI failed its oldest run at once: ``pytest>=8,<9.2`` read as no floor."""
+    ci = smoke()
+    pins = ci.oldest_pins()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + project["optional-dependencies"]["smoke"]
+    pinned = {pin.split("==")[0] for pin in pins if "==" in pin}
+    assert pinned == {re.split(r"[\[>=<!, ]", line)[0] for line in declared}
+    assert f"pytest=={ci._locked()['pytest']}" in pins  # the harness at its locked version
+    [torch] = [line for line in declared if line.startswith("torch>=")]
+    assert torch.replace(">=", "==") in pins  # a package under test at its floor
 
 
 def test_the_culprit_search_is_capped_by_the_time_the_run_has_left() -> None:

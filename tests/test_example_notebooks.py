@@ -4,6 +4,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import kernel_config
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
@@ -18,6 +19,7 @@ def test_notebook_runs(path: Path) -> None:
         notebook,
         timeout=600,
         kernel_name="python3",
+        config=kernel_config(),
         resources={"metadata": {"path": str(path.parent)}},
     ).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]

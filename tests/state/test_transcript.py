@@ -9,6 +9,7 @@ import stat
 
 import nbformat
 import pytest
+from conftest import kernel_config
 from nbclient import NotebookClient
 
 from nbddp.display.html import summary_html
@@ -134,7 +135,11 @@ def chatty_notebook(count: int) -> nbformat.NotebookNode:
 def test_a_saved_notebook_keeps_the_first_and_last_line_of_a_long_log(tmp_path, count):
     notebook = chatty_notebook(count)
     NotebookClient(
-        notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+        notebook,
+        timeout=180,
+        kernel_name="python3",
+        config=kernel_config(),
+        resources={"metadata": {"path": tmp_path}},
     ).execute()
     nbformat.write(notebook, tmp_path / "saved.ipynb")
     saved = nbformat.read(tmp_path / "saved.ipynb", as_version=4)
