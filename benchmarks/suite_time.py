@@ -1,7 +1,7 @@
 """How long the README's test command takes, and where the time goes (issue #42).
 
 Runs ``NBDDP_CI=1 pytest -n N --dist loadgroup`` (the README's command; ``--workers`` changes
-N) ``--runs`` times in a row, watching each test's start and end on its worker
+N) ``--runs`` times in a row, watching each test's start, end and CPU on its worker
 (``suite_observer.py``, a plugin that only records) and the machine's CPU (``/proc/stat``,
 before and after). For each run: the wall time, pytest's exit, how busy the cores were, when each
 worker ended, and the files that took longest. Then the wall times' p50 and maximum.
@@ -60,9 +60,11 @@ def one_run(workers: int, folder: Path, selection: list[str]) -> dict:
     first = min((t["start"] for t in tests), default=0.0)
     ends = collections.defaultdict(float)
     by_file: collections.Counter[str] = collections.Counter()
+    cpu_by_file: collections.Counter[str] = collections.Counter()
     for t in tests:
         ends[t["worker"]] = max(ends[t["worker"]], t["end"] - first)
         by_file[t["id"].split("::")[0]] += t["end"] - t["start"]
+        cpu_by_file[t["id"].split("::")[0]] += t.get("cpu", 0.0)
     summary = (folder / "pytest.log").read_text().strip().splitlines()[-1:]
     return {
         "wall": wall,
@@ -71,7 +73,9 @@ def one_run(workers: int, folder: Path, selection: list[str]) -> dict:
         "core_seconds": busy / os.sysconf("SC_CLK_TCK"),
         "worker_ends": dict(sorted(ends.items())),
         "test_seconds": sum(by_file.values()),
-        "files": by_file.most_common(8),
+        "test_cpu": sum(cpu_by_file.values()),
+        "files": [(name, seconds, cpu_by_file[name]) for name, seconds in by_file.most_common(8)],
+        "cpu_files": cpu_by_file.most_common(12),
         "summary": summary[0] if summary else "",
     }
 
@@ -96,8 +100,12 @@ def main() -> int:
             flush=True,
         )
         print(f"  {result['summary']}")
-        for name, seconds in result["files"]:
-            print(f"  {seconds:6.1f} s  {name}")
+        print("  the longest files (wall, CPU seen in their process trees):")
+        for name, seconds, cpu in result["files"]:
+            print(f"  {seconds:6.1f} s  {cpu:6.1f} core-s  {name}")
+        print(f"  the costliest files ({result['test_cpu']:.0f} core-s seen in all):")
+        for name, cpu in result["cpu_files"]:
+            print(f"  {cpu:6.1f} core-s  {name}")
     walls = [r["wall"] for r in results]
     print(
         f"\n{len(walls)} runs of -n {options.workers}: p50 {statistics.median(walls):.0f} s, "
