@@ -317,16 +317,27 @@ def test_a_session_task_stops_in_pdb_and_q_keeps_the_session(notebook):
         out = plain(out)
         assert reply["status"] == "error" and reply["ename"] == "WorkerError", out
         assert person.prompts == ["(Pdb rank 1) "] * 2 and "\n20\n" in out  # post-mortem
+        # q interrupts rank 0, waiting for rank 1's release; it has task_referee.GRACE (5 s) to
+        # come back, or the session restarts and loses its state. Once in six full runs on a
+        # machine 5x slower than quiet, rank 0's state was gone here (the likeliest cause; the
+        # asserts below now say which): the test's point is that q keeps the session, not how
+        # fast an interrupted rank returns under that load.
+        notebook.run(
+            "import nbddp.rules.task_referee as _referee\n"
+            "_grace, _referee.GRACE = _referee.GRACE, 60.0"
+        )
         person = Person("q")
         out, reply = notebook.run_answering(
             "%%ddp --session --display none\nnbddp.breakpoint(rank=1)\n", person
         )
-        assert reply["status"] == "error" and reply["ename"] == "RunStopped", plain(out)
+        quit_out = plain(out)
+        assert reply["status"] == "error" and reply["ename"] == "RunStopped", quit_out
+        assert "The session was restarted" not in quit_out, quit_out
         out, reply = notebook.run("%%ddp --session --display none --out total\ntotal += 1\n")
-        assert reply["status"] == "ok", plain(out)
+        assert reply["status"] == "ok", f"{plain(out)}\n-- the cell that quit pdb:\n{quit_out}"
         assert notebook.run("print(total)")[0].strip() == "11"  # the session kept its state
     finally:
-        notebook.run("%ddp_session stop")
+        notebook.run("%ddp_session stop\n_referee.GRACE = _grace")
 
 
 @pytest.mark.e2e
