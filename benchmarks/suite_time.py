@@ -2,9 +2,10 @@
 
 Runs ``NBDDP_CI=1 pytest -n N --dist loadgroup`` (the README's command; ``--workers`` changes
 N) ``--runs`` times in a row, watching each test's start, end and CPU on its worker
-(``suite_observer.py``, a plugin that only records) and the machine's CPU (``/proc/stat``,
-before and after). For each run: the wall time, pytest's exit, how busy the cores were, when each
-worker ended, and the files that took longest. Then the wall times' p50 and maximum.
+(``suite_observer.py``, a plugin that only records), the machine's CPU (``/proc/stat``,
+before and after) and every process's, by kind (``machine_cpu.py``). For each run: the wall
+time, pytest's exit, how busy the cores were, when each worker ended, the files that took
+longest and cost most, and what each kind of process spent. Then the wall times' p50 and max.
 
     .venv/bin/python benchmarks/suite_time.py --runs 3 [--workers 2] [--out DIR] [-- PATHS]
 
@@ -25,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine_cpu import MachineCPU
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,11 +51,13 @@ def one_run(workers: int, folder: Path, selection: list[str]) -> dict:
     shutil.copy(Path(__file__).with_name("suite_observer.py"), folder)
     command = [sys.executable, "-m", "pytest", "-n", str(workers), "--dist", "loadgroup"]
     command += ["-p", "suite_observer", "-p", "no:cacheprovider", *selection]
+    machine = MachineCPU().start()
     busy_before, idle_before = cpu_ticks()
     started = time.monotonic()
     with open(folder / "pytest.log", "w") as log:
         rc = subprocess.call(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
+    machine.stop()
     busy_after, idle_after = cpu_ticks()
     busy, idle = busy_after - busy_before, idle_after - idle_before
     lines = [line for f in folder.glob("*.jsonl") for line in f.read_text().splitlines()]
@@ -76,6 +81,7 @@ def one_run(workers: int, folder: Path, selection: list[str]) -> dict:
         "test_cpu": sum(cpu_by_file.values()),
         "files": [(name, seconds, cpu_by_file[name]) for name, seconds in by_file.most_common(8)],
         "cpu_files": cpu_by_file.most_common(12),
+        "cpu_kinds": machine.by_kind(),
         "summary": summary[0] if summary else "",
     }
 
@@ -106,6 +112,9 @@ def main() -> int:
         print(f"  the costliest files ({result['test_cpu']:.0f} core-s seen in all):")
         for name, cpu in result["cpu_files"]:
             print(f"  {cpu:6.1f} core-s  {name}")
+        print("  every process on the machine, by kind (machine_cpu.py):")
+        for what, cpu, processes in result["cpu_kinds"]:
+            print(f"  {cpu:6.1f} core-s  {processes:5d} processes  {what}")
     walls = [r["wall"] for r in results]
     print(
         f"\n{len(walls)} runs of -n {options.workers}: p50 {statistics.median(walls):.0f} s, "
