@@ -17,8 +17,8 @@ import psutil
 # (kind, test on the command line or the process name), first match wins
 KINDS = [
     ("Slurm's daemons", lambda line, name: name.startswith(("slurm", "munge"))),
-    (
-        "Python, its command line unread (ending, or caught mid-start)",
+    (  # a zombie has no command line left: its life was missed, its CPU is still there
+        "Python first seen exited (a zombie awaiting its reaper: its kind unknown)",
         lambda line, name: not line and name.startswith("python"),
     ),
     ("the VM's own (PID 1, kernel threads)", lambda line, name: not line or name == "process_api"),
@@ -28,6 +28,11 @@ KINDS = [
     ("JupyterLab", lambda line, name: "jupyterlab" in line),
     ("Jupyter kernels", lambda line, name: "ipykernel_launcher" in line),
     ("warm helpers and their forked ranks", lambda line, name: "nbddp.worker.helper" in line),
+    ("cold ranks and exported scripts (a file in /tmp)", lambda line, name: "python /tmp/" in line),
+    (
+        "multiprocessing's spawned and forkserver children",
+        lambda line, name: "multiprocessing" in line,
+    ),
     ("pytest and its workers", lambda line, name: "pytest" in line or "sys.stdin.readline" in line),
 ]
 
