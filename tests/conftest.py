@@ -217,6 +217,22 @@ def kernel_config() -> Any:
     return Config({"KernelManager": {"transport": "ipc", "ip": prefix}})
 
 
+def run_notebook(notebook: Any, timeout: float, path: str | os.PathLike[str] | None = None) -> None:
+    """Execute ``notebook`` in place with nbclient (in ``path``, as a saved notebook would run
+    there), in a fresh kernel on Unix sockets (:func:`kernel_config`)."""
+    from nbclient import NotebookClient
+
+    resources = {"metadata": {"path": str(path)}} if path is not None else {}
+    client = NotebookClient(
+        notebook,
+        timeout=timeout,
+        kernel_name="python3",
+        config=kernel_config(),
+        resources=resources,
+    )
+    client.execute()
+
+
 class Kernel:
     """A real IPython kernel, driven the way a notebook frontend drives it."""
 

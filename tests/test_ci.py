@@ -21,7 +21,7 @@ import pytest
 import sharing
 import tiers
 import tomllib
-from conftest import wait_until
+from conftest import kernel_config, wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -378,3 +378,17 @@ def test_a_run_started_with_sigint_ignored_gets_ctrl_c_back() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_test_kernels_talk_over_unix_sockets_of_their_own() -> None:
+    """A port asked of the system and bound later by the kernel can be taken in between by
+    another test's process (stop 48's CI lost a kernel so): the kernels use Unix sockets, each
+    under its own prefix in a directory of this process. Nothing is started here."""
+    from jupyter_client.manager import KernelManager
+
+    first, second = (KernelManager(config=kernel_config()) for _ in range(2))
+    assert first.transport == second.transport == "ipc"
+    assert first.ip != second.ip
+    assert os.path.dirname(first.ip) == os.path.dirname(second.ip)
+    assert os.path.isdir(os.path.dirname(first.ip))
+    assert len(f"{first.ip}-99999") < 100  # under a Unix socket path's limit (108)

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import kernel_config
-from nbclient import NotebookClient
+from conftest import run_notebook
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -15,13 +14,7 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(
-        notebook,
-        timeout=600,
-        kernel_name="python3",
-        config=kernel_config(),
-        resources={"metadata": {"path": str(path.parent)}},
-    ).execute()
+    run_notebook(notebook, timeout=600, path=path.parent)
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     summaries = [

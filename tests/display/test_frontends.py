@@ -15,8 +15,7 @@ import time
 
 import nbformat
 import pytest
-from conftest import Kernel, kernel_config, starts_nothing
-from nbclient import NotebookClient
+from conftest import Kernel, run_notebook, starts_nothing
 
 import nbddp
 
@@ -152,7 +151,7 @@ def test_a_saved_notebook_read_as_text_holds_rank_0s_output_and_the_metrics(tmp_
         nbformat.v4.new_code_cell("import nbddp\n%load_ext nbddp"),
         nbformat.v4.new_code_cell(QUICKSTART),
     ]
-    NotebookClient(notebook, timeout=300, kernel_name="python3", config=kernel_config()).execute()
+    run_notebook(notebook, timeout=300)
     nbformat.write(notebook, tmp_path / "quickstart.ipynb")
     saved = nbformat.read(tmp_path / "quickstart.ipynb", as_version=4)
     outputs = saved.cells[1].outputs

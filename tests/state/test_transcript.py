@@ -9,8 +9,7 @@ import stat
 
 import nbformat
 import pytest
-from conftest import kernel_config
-from nbclient import NotebookClient
+from conftest import run_notebook
 
 from nbddp.display.html import summary_html
 from nbddp.display.plain import panel_text
@@ -134,13 +133,7 @@ def chatty_notebook(count: int) -> nbformat.NotebookNode:
 @pytest.mark.parametrize("count", [1_000, 6_000])
 def test_a_saved_notebook_keeps_the_first_and_last_line_of_a_long_log(tmp_path, count):
     notebook = chatty_notebook(count)
-    NotebookClient(
-        notebook,
-        timeout=180,
-        kernel_name="python3",
-        config=kernel_config(),
-        resources={"metadata": {"path": tmp_path}},
-    ).execute()
+    run_notebook(notebook, timeout=180, path=tmp_path)
     nbformat.write(notebook, tmp_path / "saved.ipynb")
     saved = nbformat.read(tmp_path / "saved.ipynb", as_version=4)
     [summary] = [o for o in saved.cells[1].outputs if "nbddp-summary" in str(o.get("data"))]

@@ -9,8 +9,7 @@ import time
 import nbformat
 import pytest
 import torch
-from conftest import TWO_CPU, TWO_CPU_QUIET, blocks, kernel_config
-from nbclient import NotebookClient
+from conftest import TWO_CPU, TWO_CPU_QUIET, blocks, run_notebook
 
 import nbddp
 from nbddp.worker import live
@@ -241,7 +240,7 @@ def test_saved_notebook_keeps_a_static_summary(tmp_path):
             "except nbddp.WorkerError:\n    pass"
         ),
     ]
-    NotebookClient(notebook, timeout=120, kernel_name="python3", config=kernel_config()).execute()
+    run_notebook(notebook, timeout=120)
     path = tmp_path / "saved.ipynb"
     nbformat.write(notebook, path)
     saved = nbformat.read(path, as_version=4)
