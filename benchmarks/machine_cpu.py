@@ -27,7 +27,7 @@ KINDS = [
     ("under Slurm (node helpers, ranks)", lambda line, name: "slurm" in line),
     ("JupyterLab", lambda line, name: "jupyterlab" in line),
     ("Jupyter kernels", lambda line, name: "ipykernel_launcher" in line),
-    ("warm helpers and their forked ranks", lambda line, name: "nbddp.worker.helper" in line),
+    ("warm helpers' ranks and their children", lambda line, name: "nbddp.worker.helper" in line),
     ("cold ranks and exported scripts (a file in /tmp)", lambda line, name: "python /tmp/" in line),
     (
         "multiprocessing's spawned and forkserver children",
@@ -37,8 +37,22 @@ KINDS = [
 ]
 
 
-def kind(line: str, name: str) -> str:
+HELPER = "warm helpers (each imports torch once)"
+
+
+def kind(line: str, name: str, parent: str = "") -> str:
+    """``parent``: the parent's command line. A helper forks its ranks, so they keep its
+    command line: the one whose parent is not a helper is the helper itself."""
+    if "nbddp.worker.helper" in line and "nbddp.worker.helper" not in parent:
+        return HELPER
     return next((k for k, test in KINDS if test(line, name)), "other processes")
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except (psutil.Error, OSError):
+        return ""
 
 
 class MachineCPU:
@@ -66,7 +80,8 @@ class MachineCPU:
             self._look()
 
     def _look(self) -> None:
-        for proc in psutil.process_iter(["pid", "create_time", "cmdline", "name", "cpu_times"]):
+        fields = ["pid", "ppid", "create_time", "cmdline", "name", "cpu_times"]
+        for proc in psutil.process_iter(fields):
             info = proc.info
             if info["cpu_times"] is None:
                 continue
@@ -75,7 +90,8 @@ class MachineCPU:
             row = self.seen.get(key)
             if row is None:  # born since the last look: all its time is new
                 line = " ".join(info["cmdline"] or [])
-                self.seen[key] = [0.0, cpu, kind(line, info["name"] or "")]
+                parent = _command_line(info["ppid"]) if "nbddp.worker.helper" in line else ""
+                self.seen[key] = [0.0, cpu, kind(line, info["name"] or "", parent)]
             else:
                 row[1] = cpu
 
