@@ -27,7 +27,7 @@ TWO_CPU_QUIET = {**TWO_CPU, "display": "none"}
 # The skip summary and CI's rule that only gpu tests may skip; every test in one tier, and each
 # tier's promise kept; sharing the machine under xdist (groups, the alone lock, the speed);
 # pytester, for the tests of those rules (test_ci.py).
-pytest_plugins = ["skips", "tiers", "sharing", "pytester"]
+pytest_plugins = ["skips", "tiers", "sharing", "bytecode", "pytester"]
 
 
 def is_warm_helper(proc: psutil.Process) -> bool:

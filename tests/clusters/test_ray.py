@@ -5,6 +5,7 @@ interface (127.0.0.2: Ray rewrites 127.0.0.1 to the machine's outward address)."
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -20,7 +21,10 @@ from sharing import within
 import nbddp
 from nbddp import LaunchTimeout, RunStopped, WorkerError
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
+# Ray is imported where a test uses it, not here: every worker collects this file, one runs it
+# (an import of Ray costs ~3 core-s)
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("Ray is not installed: pip install -e '.[ray]'", allow_module_level=True)
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 NODE_IP = "127.0.0.2"
 RAY = {"cluster": "ray", "display": "none", "device": "cpu"}
@@ -41,6 +45,7 @@ def like_notebook_code():
 
 @pytest.fixture(scope="module")
 def cluster():
+    import ray
     from ray.cluster_utils import Cluster
 
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no reports to the outside world

@@ -18,6 +18,7 @@ anywhere else."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -31,7 +32,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
+# Ray is imported where a test uses it, not here: every worker collects this file, one runs it
+# (an import of Ray costs ~3 core-s)
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("Ray is not installed: pip install -e '.[ray]'", allow_module_level=True)
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.netns, pytest.mark.slow]
 
 HOSTS = {"a": "10.200.0.1", "b": "10.200.0.2"}

@@ -6,6 +6,7 @@ when the run ends, the supervisor, its node helpers and its reservation are gone
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 
@@ -16,7 +17,10 @@ from detached.support import family, no_standby, runs_dir, supervisor_of, wait_f
 
 import nbddp
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
+# Ray is imported where a test uses it, not here: every worker collects this file, one runs it
+# (an import of Ray costs ~3 core-s)
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("Ray is not installed: pip install -e '.[ray]'", allow_module_level=True)
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 __all__ = ["no_standby", "runs_dir"]  # autouse fixtures (support.py)
 NODE_IP = "127.0.0.2"  # Ray rewrites 127.0.0.1 to the machine's outward address
@@ -105,6 +109,8 @@ def test_a_detached_run_on_ray_outlives_its_killed_kernel(cluster, tmp_path):
     assert wait_until(lambda: nbddp.runs()[0].status == "running", 10), nbddp.runs()
     [listed] = nbddp.runs()
     assert (listed.id, listed.cluster) == (run_id, "ray")
+
+    import ray
 
     ray.init(address=cluster.address, _node_ip_address=NODE_IP, log_to_driver=False)
     try:

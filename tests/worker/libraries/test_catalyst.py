@@ -9,6 +9,8 @@ catalyst 21.12 (``.ci/run``), where the test marked ``catalyst21`` runs too;
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
 import io
 import os
 
@@ -17,8 +19,10 @@ from conftest import TWO_CPU_QUIET
 
 import nbddp
 
-catalyst = pytest.importorskip("catalyst", reason="Catalyst is not installed (pip install .[dev])")
-LEGACY = catalyst.__version__.startswith("21.")
+# Catalyst is imported by the ranks, not here: every worker collects this file
+if importlib.util.find_spec("catalyst") is None:
+    pytest.skip("Catalyst is not installed (pip install .[dev])", allow_module_level=True)
+LEGACY = importlib.metadata.version("catalyst").startswith("21.")
 
 
 def train(ddp: bool, logdir: str, explicit: bool = False, rank1_empties_logdir: bool = False):
