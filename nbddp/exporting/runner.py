@@ -155,6 +155,11 @@ class NbddpScript:
             torch.cuda.set_device(self.device)
         if int(env["WORLD_SIZE"]) > int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])):
             self._pick_interface()
+        # no rank leaves the joining before every rank joined (torch's store barrier): else a
+        # rank that finishes first, and exits, can close a connection that a slower rank's gloo
+        # is still setting up ("Connection closed by peer" in connectFullMesh, seen under load
+        # for a function with no collective); a value the user set is kept
+        env.setdefault("TORCH_DIST_INIT_BARRIER", "1")
         dist.init_process_group(self.export["backend"])
         self._accept_own_init(dist)
 

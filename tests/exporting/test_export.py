@@ -186,6 +186,33 @@ def test_python_alone_runs_one_rank_and_keeps_its_value(tmp_path):
     assert done.returncode == 0 and (tmp_path / "elsewhere.pkl").exists()
 
 
+def init_barrier() -> str | None:
+    import os
+
+    return os.environ.get("TORCH_DIST_INIT_BARRIER")
+
+
+@pytest.mark.ranks
+def test_no_rank_leaves_the_joining_before_every_rank_joined(tmp_path):
+    """The script turns on torch's barrier after ``init_process_group``: without it a rank
+    that finished first could exit while a slower one's gloo was still connecting to it, and
+    that rank failed ("Connection closed by peer", once in a full run under load). A value
+    the user set is kept."""
+    script = Path(nbddp.export(init_barrier, tmp_path / "join.py", device="cpu")[0])
+    result = tmp_path / "join.result.pkl"
+    for asked, seen in ((None, "1"), ("0", "0")):
+        env = {k: v for k, v in os.environ.items() if k != "TORCH_DIST_INIT_BARRIER"}
+        if asked is not None:
+            env["TORCH_DIST_INIT_BARRIER"] = asked
+        done = subprocess.run(
+            [PYTHON, str(script)], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        import pickle
+
+        assert pickle.loads(result.read_bytes()) == seen
+
+
 @pytest.mark.e2e
 def test_the_script_needs_no_nbddp_unless_the_function_calls_it(tmp_path):
     """A directory first on the path whose ``nbddp`` cannot be imported: the script of a
