@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-git check-ignore -q .whl || { echo "add /.whl/ to .gitignore first" >&2; exit 1; }
+git check-ignore -q .whl/ || { echo "add /.whl/ to .gitignore first" >&2; exit 1; }
 mkdir -p .whl
 "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \

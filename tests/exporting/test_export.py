@@ -349,7 +349,7 @@ def test_the_batch_file_for_a_gpu_allocation_asks_for_its_gpus_and_nodes_and_is_
     ]
 
 
-@pytest.mark.unit
+@pytest.mark.ranks  # it runs the script: the GPU check found it marked unit
 @pytest.mark.gpu
 def test_a_tensor_on_the_notebooks_gpu_arrives_on_each_ranks_gpu(tmp_path):
     import torch
