@@ -14,6 +14,8 @@ import time
 
 import psutil
 
+HELPER_MODULE = "nbddp.worker.helper"  # on a warm helper's command line, and its ranks'
+
 # (kind, test on the command line or the process name), first match wins
 KINDS = [
     ("Slurm's daemons", lambda line, name: name.startswith(("slurm", "munge"))),
@@ -27,7 +29,7 @@ KINDS = [
     ("under Slurm (node helpers, ranks)", lambda line, name: "slurm" in line),
     ("JupyterLab", lambda line, name: "jupyterlab" in line),
     ("Jupyter kernels", lambda line, name: "ipykernel_launcher" in line),
-    ("warm helpers' ranks and their children", lambda line, name: "nbddp.worker.helper" in line),
+    ("warm helpers' ranks and their children", lambda line, name: HELPER_MODULE in line),
     ("cold ranks and exported scripts (a file in /tmp)", lambda line, name: "python /tmp/" in line),
     (
         "multiprocessing's spawned and forkserver children",
@@ -43,7 +45,7 @@ HELPER = "warm helpers (each imports torch once)"
 def kind(line: str, name: str, parent: str = "") -> str:
     """``parent``: the parent's command line. A helper forks its ranks, so they keep its
     command line: the one whose parent is not a helper is the helper itself."""
-    if "nbddp.worker.helper" in line and "nbddp.worker.helper" not in parent:
+    if HELPER_MODULE in line and HELPER_MODULE not in parent:
         return HELPER
     return next((k for k, test in KINDS if test(line, name)), "other processes")
 
@@ -90,7 +92,7 @@ class MachineCPU:
             row = self.seen.get(key)
             if row is None:  # born since the last look: all its time is new
                 line = " ".join(info["cmdline"] or [])
-                parent = _command_line(info["ppid"]) if "nbddp.worker.helper" in line else ""
+                parent = _command_line(info["ppid"]) if HELPER_MODULE in line else ""
                 self.seen[key] = [0.0, cpu, kind(line, info["name"] or "", parent)]
             else:
                 row[1] = cpu
