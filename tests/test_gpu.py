@@ -9,6 +9,10 @@ import torch
 
 import nbddp
 
+# The skip conditions are strings, evaluated when a test is set up: the ranks import this module
+# by name, and nbddp's warm helper imports it again, so its import must not touch the GPU: on
+# the first GPU check the helper refused it ("it started a native thread"), and these conditions
+# were its only GPU calls at import.
 pytestmark = [
     pytest.mark.ranks,
     pytest.mark.gpu,
@@ -46,7 +50,7 @@ def test_two_worker_subprocesses_share_one_gpu_with_gloo():
     assert both[0]["sum"].device.type == "cpu" and both[0]["sum"].item() == 3.0
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif("torch.cuda.device_count() < 2", reason="needs 2 GPUs")
 def test_nccl_on_every_gpu():
     facts = nbddp.notebook_launch(where_am_i, return_all=True)
     assert [f["backend"] for f in facts] == ["nccl"] * torch.cuda.device_count()
@@ -214,7 +218,7 @@ def waits_in_item(marks: str) -> None:
     t.item()  # the CUDA runtime spins here while NCCL waits for rank 1
 
 
-@pytest.mark.skipif(not nccl_ranks_possible(), reason="needs two NCCL ranks (2 GPUs, NCCL 2.30+)")
+@pytest.mark.skipif("not nccl_ranks_possible()", reason="needs two NCCL ranks (2 GPUs, NCCL 2.30+)")
 def test_f2_the_stall_banner_shows_while_an_nccl_rank_spins_in_a_cuda_wait(tmp_path):
     """F2: the waiting rank burns a core in the CUDA wait: its CPU time read as work."""
     import time
@@ -248,7 +252,7 @@ def asks_3_s_on_nccl() -> None:
     t.item()
 
 
-@pytest.mark.skipif(not nccl_ranks_possible(), reason="needs two NCCL ranks (2 GPUs, NCCL 2.30+)")
+@pytest.mark.skipif("not nccl_ranks_possible()", reason="needs two NCCL ranks (2 GPUs, NCCL 2.30+)")
 def test_f3_the_asked_timeout_takes_effect_on_nccl():
     """F3: NCCL's 10-minute default applied whatever the code asked."""
     import time
@@ -271,7 +275,7 @@ def returns_right_after_its_all_reduce() -> float:
     return 2.0 if nbddp.rank() == 0 else float(t.item())
 
 
-@pytest.mark.skipif(not nccl_ranks_possible(), reason="needs two NCCL ranks (2 GPUs, NCCL 2.30+)")
+@pytest.mark.skipif("not nccl_ranks_possible()", reason="needs two NCCL ranks (2 GPUs, NCCL 2.30+)")
 def test_f8_a_rank_returning_right_after_an_nccl_collective_does_not_hang_its_peer():
     """F8: rank 0's queued all_reduce died with its process; rank 1 waited for NCCL's
     watchdog (10 minutes)."""
@@ -285,7 +289,7 @@ def own_device_and_local_rank() -> tuple[str, str]:
     return str(nbddp.device()), os.environ["LOCAL_RANK"]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif("torch.cuda.device_count() < 2", reason="needs 2 GPUs")
 def test_f4_one_rank_on_gpu_1_in_the_kernel_trains_on_gpu_1_and_leaves_gpu_0_alone():
     """F4: LOCAL_RANK was 0 (libraries trained on GPU 0) and the kernel was put back with
     ``set_device(0)``, which made a context there."""
