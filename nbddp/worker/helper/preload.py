@@ -11,8 +11,9 @@ helper starts with what the helper imported. So the helper imports, between laun
 
 It stays a process that is safe to fork: after each import it checks that no thread was
 started (a Python thread, or a native one: ``/proc/self/task``; an OpenBLAS pool loaded with a
-library is allowed, as it stops itself at each fork), that CUDA was not initialised nor the CUDA
-driver loaded, and that no process was started; before each fork, the cheap part again. A
+library is allowed, as it stops itself at each fork, and so is NVML's, which a fork leaves
+behind), that neither torch's CUDA nor the CUDA driver was started (loading the driver's library
+starts nothing), and that no process was started; before each fork, the cheap part again. A
 module that breaks one is reported (``Unsafe``): the helper forks no more, and the kernel starts
 a fresh one without that module. Some packages are never imported (:data:`NEVER`);
 ``NBDDP_PRELOAD_EXCLUDE`` names more (comma-separated, a package or a module), and
@@ -28,6 +29,8 @@ kernel's (as under a fork launcher), not a launch's ``env=``.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
 import os
 import site
@@ -148,6 +151,43 @@ def children() -> set[int]:
         return set()
 
 
+GPU_DEVICES = "/dev/nvidia"
+
+
+def gpu_files(fd_dir: str = "/proc/self/fd") -> set[str]:
+    """The GPU device files this process holds open (``/dev/nvidia*``). NVML opens them and
+    starts a thread (``torch.cuda.device_count()`` and ``is_available()`` ask it), which leaves a
+    fork able to use CUDA; the CUDA driver's start opens them too, which does not
+    (:func:`driver_started` tells the two apart; measured on an H200: ``benchmarks/RESULTS.md``,
+    #44)."""
+    opened = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(fd_dir):
+            with contextlib.suppress(OSError):
+                target = os.readlink(os.path.join(fd_dir, fd))
+                if target.startswith(GPU_DEVICES):
+                    opened.add(target)
+    return opened
+
+
+def driver_started(libraries: Iterable[str]) -> bool:
+    """Whether this process started the CUDA driver (``cuInit``), asked of the ``libcuda`` it has
+    mapped by a call that needs the driver started and starts nothing: ``cuDeviceGetCount``
+    answers CUDA_ERROR_NOT_INITIALIZED (3) before ``cuInit``. False without a ``libcuda``."""
+    path = next((p for p in libraries if "/libcuda.so" in p), None)
+    if path is None:
+        return False
+    try:
+        driver = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)  # the mapped one: never a fresh load
+        count = ctypes.c_int()
+        return bool(driver.cuDeviceGetCount(ctypes.byref(count)) != _NOT_INITIALIZED)
+    except (OSError, AttributeError):
+        return False
+
+
+_NOT_INITIALIZED = 3  # CUDA_ERROR_NOT_INITIALIZED
+
+
 class Safety:
     """What a fork needs: no thread but the main one beyond what torch's own libraries keep (an
     OpenBLAS pool, which stops itself at each fork), no CUDA, no process started by an import."""
@@ -155,7 +195,7 @@ class Safety:
     def __init__(self) -> None:
         self.tasks = tasks()
         self.libraries = _libraries()
-        self.driver = _driver(self.libraries)
+        self.gpu_files = gpu_files()
 
     def broken(self, before: set[int] | None = None) -> str | None:
         """Why forking now would be unsafe, or None. ``before``: the helper's children before
@@ -177,17 +217,22 @@ class Safety:
         if children() - before:
             return "it started a process"
         libraries = _libraries()
-        if not self.driver and _driver(libraries):
-            return "it loaded the CUDA driver"
+        if driver_started(libraries):  # libcuda merely loaded is harmless: torch 2.11 loads it
+            return (
+                "it started the CUDA driver (cuInit): a CUDA call at import, such as "
+                "torch.cuda.init() or cupy's; a process forked after that cannot use CUDA"
+            )
         added, self.libraries = libraries - self.libraries, libraries
         if now > self.tasks and not any("openblas" in path for path in added):
-            return "it started a native thread"
-        self.tasks = now  # a BLAS pool it loaded: stopped and restarted around forks
+            opened = gpu_files() - self.gpu_files
+            if not opened:
+                return "it started a native thread"
+            # NVML's (torch.cuda.device_count() or is_available() at import, which opened the
+            # GPU): its thread is not copied into a fork, and ranks forked after it reach their
+            # GPU (measured on an H200, #44)
+            self.gpu_files |= opened
+        self.tasks = now  # a BLAS pool or NVML it loaded: stopped or left behind at each fork
         return None
-
-
-def _driver(libraries: set[str]) -> bool:
-    return any("/libcuda.so" in path for path in libraries)
 
 
 def _library_roots() -> tuple[str, ...]:
