@@ -9,9 +9,11 @@ nothing can be downloaded there). The sections run in order of value, each in a 
 its own under its own time limit, so a hang costs one section; the whole check stays within
 ``TOTAL`` seconds (9 minutes), and a section that no longer fits is skipped, saying so.
 
-It writes ``gpu-check.json`` (every fact and check) and ``gpu-check.md`` (the report for
-``benchmarks/RESULTS.md``) into ``--out`` (a temporary folder by default; on the device
-machine, ``$OUT``, so that both come back).
+It writes ``gpu-check.json`` (every fact and check), ``gpu-check.md`` (the report for
+``benchmarks/RESULTS.md``) and ``sections.tar.gz`` (each section's own result and whole log,
+and the gpu tests' JUnit XML) into ``--out`` (a temporary folder by default; on the device
+machine, ``$OUT``: the device tool brings back at most 8 files, so the check leaves three). All
+three are written again after each section, so a run cut short still reports what ran.
 
 Without a GPU it prints its numbered plan and the device tool's command, and exits 0 (CI runs
 that). ``--cpu-rehearsal`` runs every section's harness on this machine's CPU instead, with the
@@ -30,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -52,17 +55,19 @@ SECTIONS: list[tuple[int, str, int, str]] = [
     (
         1,
         "gpu_tests",
-        150,
-        "the project's gpu-marked tests (tests/test_gpu.py and the gpu tests "
-        "of tutorials and export): one-GPU ones pass, two-GPU ones skip",
+        120,
+        "the project's gpu-marked tests (tests/test_gpu.py, the gpu tests of "
+        "tutorials, export and the helper's safety) and the docs pages with GPU blocks, in a "
+        "kernel: one-GPU ones pass, two-GPU ones skip",
     ),
     (
         2,
         "helper_imports",
-        45,
-        "G1: which popular imports load libcuda or start CUDA in a fresh "
-        "process; nbddp's warm helper after preloading them stays CUDA-free and still forks "
-        "ranks that reach the GPU",
+        60,
+        "G1: which popular imports and GPU calls (device_count, is_available, "
+        "NCCL's version) map libcuda, open the GPU or start threads, each in a fresh process, "
+        "and whether a child forked after each reaches the GPU; nbddp's warm helper after "
+        "preloading them holds no GPU device file and still forks ranks that reach the GPU",
     ),
     (
         3,
@@ -113,9 +118,9 @@ SECTIONS: list[tuple[int, str, int, str]] = [
     (
         9,
         "first_step",
-        40,
-        "time to the first GPU step: a warm launch of 2 ranks, a session's "
-        "first and next task, and torchrun of the same step (cold)",
+        65,
+        "time to the first DDP step of 2 ranks on GPU 0 (gloo): warm launches, "
+        "a session's first and next task, and torchrun --nproc-per-node=2 of the same step (cold)",
     ),
     (
         10,
@@ -266,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out or tempfile.mkdtemp(prefix="nbddp-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="nbddp-gpu-sections-"))  # bundled into out
     wanted = {int(n) for n in args.only.split(",")} if args.only else None
     started = time.monotonic()
-    results = []
+    results: list[dict] = []
     for number, name, seconds, _ in SECTIONS:
         if wanted is not None and number not in wanted:
             continue
@@ -286,13 +292,23 @@ def main(argv: list[str] | None = None) -> int:
             )
             continue
         print(f"[{time.monotonic() - started:5.0f} s] {number}. {name} ...", flush=True)
-        result = run_section(number, name, seconds, out, args.cpu_rehearsal)
+        result = run_section(number, name, seconds, work, args.cpu_rehearsal)
         print(f"        {result['status']}, {result['seconds']} s: {verdict(result)}", flush=True)
         results.append(result)
+        write_report(out, work, results, started, args.cpu_rehearsal)
+    seconds = write_report(out, work, results, started, args.cpu_rehearsal)
+    print(f"report: {out / 'gpu-check.md'}, gpu-check.json, sections.tar.gz ({seconds:.0f} s)")
+    return 0
+
+
+def write_report(
+    out: Path, work: Path, results: list[dict], started: float, rehearsal: bool
+) -> float:
+    """The report of what ran so far: its JSON, its markdown, and the sections' own files."""
     environment = next((r for r in results if r["name"] == "environment"), {})
     facts = environment.get("facts", {})
     meta = {
-        "rehearsal": args.cpu_rehearsal,
+        "rehearsal": rehearsal,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "seconds": time.monotonic() - started,
         "card": facts.get("gpu", "no GPU"),
@@ -303,8 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out / "gpu-check.json").write_text(json.dumps({"meta": meta, "sections": results}, indent=1))
     (out / "gpu-check.md").write_text(report_md(results, meta))
-    print(f"report: {out / 'gpu-check.md'} and gpu-check.json ({meta['seconds']:.0f} s)")
-    return 0
+    with tarfile.open(out / "sections.tar.gz", "w:gz") as bundle:
+        bundle.add(work, arcname="sections")
+    return meta["seconds"]
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,10 @@ def test_the_cpu_rehearsal_runs_every_section_without_an_error(tmp_path):
     failed = [(s["name"], c) for s in sections for c in s.get("checks", []) if c["ok"] is False]
     assert not failed, failed
     assert (tmp_path / "gpu-check.md").read_text().startswith("## GPU check")
+    # the device tool brings back 8 files at most: the sections' own travel in one bundle
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "gpu-check.json", "gpu-check.md", "sections.tar.gz"]  # fmt: skip
+    with tarfile.open(tmp_path / "sections.tar.gz") as bundle:
+        names = set(bundle.getnames())
+    assert {f"sections/section-{n}.{kind}" for n in (0, 11) for kind in ("json", "log")} <= names
+    assert "sections/gpu-tests.xml" in names

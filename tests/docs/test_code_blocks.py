@@ -19,7 +19,10 @@ TUTORIAL_PORT = "12355"
 
 
 def _marks(page: Path) -> list[pytest.MarkDecorator]:
-    marks = [pytest.mark.gpu] if all(b.marker in ("skip", "gpu") for b in blocks(page)) else []
+    found = blocks(page)
+    marks = [pytest.mark.gpu] if all(b.marker in ("skip", "gpu") for b in found) else []
+    if any(b.marker == "gpu" for b in found):
+        marks.append(pytest.mark.gpu_blocks)  # benchmarks/gpu_check.py runs these on a GPU
     if TUTORIAL_PORT in page.read_text():
         marks.append(pytest.mark.xdist_group(f"port-{TUTORIAL_PORT}"))
     return marks
