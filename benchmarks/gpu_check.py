@@ -137,7 +137,7 @@ SECTIONS: list[tuple[int, str, int, str]] = [
     ),
 ]
 DEVICE_COMMAND = (
-    "run(kind='nvidia-h100-x1', carry=['.whl'], timeout_s=600, command='"
+    "run(carry=['.whl'], timeout_s=600, command='"
     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "
     "/tmp/site .whl/*.whl; export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1; "
     "python3 benchmarks/gpu_check.py --out $OUT')"
