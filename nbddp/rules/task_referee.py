@@ -20,11 +20,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from nbddp.backend import Outcome, RunEvents, Writable
-from nbddp.errors import LaunchTimeout
+from nbddp.errors import LaunchTimeout, WorkerError
 from nbddp.recovery import STOP_GRACE
 from nbddp.rules.graceful import GracefulStop
 from nbddp.rules.in_step import out_of_step
 from nbddp.rules.judging import SETTLE, Clock, Judging, write_out
+from nbddp.rules.tracker import interrupted_note
 from nbddp.state.terminal import CellStream
 from nbddp.wire.messages import Failed, GroupCount, Issued, Result, Unsendable
 
@@ -216,7 +217,11 @@ class TaskReferee(Judging):
             if self._at_once is not None:  # why the timeout's graceful stop could not be
                 ended += f" (not gracefully: {self._at_once})"
             return Outcome("failed", error=LaunchTimeout(self._timeout, ended))
-        return Outcome("failed", error=self.tracker.root_cause().error)
+        root = self.tracker.root_cause()
+        note = interrupted_note(self.tracker.failures, root)
+        if note and isinstance(root.error, WorkerError):  # the ranks stay: say what they lack
+            root.error.hint = f"{root.error.hint}\n{note}" if root.error.hint else note
+        return Outcome("failed", error=root.error)
 
     def _interrupted(self, differs: str | None) -> str:
         """What the timeout's interrupt left: the ranks' state kept, or fresh ranks."""

@@ -18,6 +18,7 @@ gloo's own wording, as the documented last resort (:data:`PEER_LOST_WORDS`).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
@@ -27,7 +28,7 @@ from nbddp.errors import SerializationError, WorkerError
 from nbddp.errors.remote import import_class, rank_raised
 from nbddp.rules.sync import judge
 from nbddp.wire import payload
-from nbddp.wire.messages import ErrorReport, SyncCheck
+from nbddp.wire.messages import BEFORE_THE_TASK, ErrorReport, SyncCheck
 
 Kind = Literal["raised", "died", "lost_peer", "ended_early"]
 
@@ -126,6 +127,58 @@ def root_cause(failures: Sequence[Failure], early: Sequence[Failure] = ()) -> Fa
     if early:
         return min(early, key=lambda f: f.time)
     return min(failures, key=lambda f: f.time)
+
+
+# A frame line of a rank's traceback: a file's, or a notebook cell's as IPython names it.
+_FRAME = re.compile(
+    r'^\s*(?:File "(?P<file>[^"]+)"|(?P<cell>Cell In\[\d+\])), line (?P<line>\d+)'
+    r"(?:, in (?P<function>.+))?$"
+)
+_NAMED = 3  # interrupted ranks named one by one; the rest are counted
+
+
+def interrupted_note(failures: Sequence[Failure], root: Failure) -> str:
+    """The ranks a session task's failure interrupted, and where each was: their part of the
+    task did not finish (a name it would have set is missing on them), which the root cause
+    alone does not say. Empty when it interrupted none."""
+    interrupted = sorted(
+        (f for f in failures if f is not root and _exc_type(f.error) == "KeyboardInterrupt"),
+        key=lambda f: f.rank,
+    )
+    if not interrupted:
+        return ""
+    named = ", ".join(f"rank {f.rank}{_where_interrupted(f.error)}" for f in interrupted[:_NAMED])
+    if len(interrupted) > _NAMED:
+        named += f" and {len(interrupted) - _NAMED} more"
+    their = "its part" if len(interrupted) == 1 else "their parts"
+    return f"The failure interrupted {named}: {their} of the task did not finish."
+
+
+def where(error: BaseException) -> str:
+    """ " at FILE:LINE in FUNCTION (CODE)": the last frame of a rank's traceback, or ""."""
+    lines = getattr(error, "remote_traceback", "").splitlines()
+    for index in range(len(lines) - 1, -1, -1):
+        frame = _FRAME.match(lines[index])
+        if frame is None:
+            continue
+        place = f" at {frame['file'] or frame['cell']}:{frame['line']}"
+        if frame["function"]:
+            place += f" in {frame['function']}"
+        code = lines[index + 1].strip() if index + 1 < len(lines) else ""
+        if code and not _FRAME.match(lines[index + 1]) and lines[index + 1].startswith("    "):
+            place += f" ({code})"
+        return place
+    return ""
+
+
+def _where_interrupted(error: BaseException) -> str:
+    if getattr(error, "exc_message", "") == BEFORE_THE_TASK:
+        return " before it started the task"
+    return where(error)
+
+
+def _exc_type(error: BaseException) -> str | None:
+    return getattr(error, "exc_type", None)
 
 
 class RunTracker:

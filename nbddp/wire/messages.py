@@ -265,6 +265,11 @@ class Interrupt(NamedTuple):
     task: int
 
 
+# The message of the KeyboardInterrupt a rank raises when an Interrupt came before its task
+# started: the kernel then says the task never started there (rules/tracker.py).
+BEFORE_THE_TASK = "interrupted before the task started"
+
+
 class Probe(NamedTuple):
     pass
 

@@ -88,3 +88,56 @@ def test_a_lost_peer_is_told_by_its_class_first(exc, lost):
 def test_root_cause_needs_a_failure():
     with pytest.raises(ValueError):
         root_cause([])
+
+
+def interrupted(rank: int, traceback: str, message: str = "") -> Failure:
+    error = WorkerError(
+        rank, exc_type="KeyboardInterrupt", exc_message=message, remote_traceback=traceback
+    )
+    return Failure(rank, 2.0, error, "raised")
+
+
+IN_TRAIN = (
+    "Traceback (most recent call last):\n"
+    '  File "/home/u/train.py", line 12, in train\n'
+    "    loss = step(batch)\n"
+    '  File "/home/u/model.py", line 30, in step\n'
+    "    time.sleep(1)\n"
+    "KeyboardInterrupt\n"
+)
+IN_A_CELL = (
+    "Traceback (most recent call last):\n  Cell In[4], line 3, in <module>\n    total = 0\n"
+    "KeyboardInterrupt\n"
+)
+
+
+def test_the_note_names_each_interrupted_rank_where_it_was_and_never_the_root_cause():
+    from nbddp.rules.tracker import interrupted_note
+    from nbddp.wire.messages import BEFORE_THE_TASK
+
+    root = failure(1, 1.0, "raised")
+    failures = [
+        interrupted(2, IN_A_CELL),
+        root,
+        interrupted(0, IN_TRAIN),
+        interrupted(3, "", BEFORE_THE_TASK),
+    ]
+    assert interrupted_note(failures, root) == (
+        "The failure interrupted rank 0 at /home/u/model.py:30 in step (time.sleep(1)), "
+        "rank 2 at Cell In[4]:3 in <module> (total = 0), rank 3 before it started the task: "
+        "their parts of the task did not finish."
+    )
+    assert interrupted_note([root], root) == ""  # nobody was cut short
+    lost = Failure(0, 2.0, WorkerError(0, exc_type="DistBackendError"), "lost_peer")
+    assert interrupted_note([root, lost], root) == ""  # failed, not interrupted
+
+
+def test_a_long_list_of_interrupted_ranks_is_counted_after_three():
+    from nbddp.rules.tracker import interrupted_note
+
+    root = failure(0, 1.0, "raised")
+    failures = [root, *(interrupted(rank, "") for rank in range(1, 8))]
+    assert interrupted_note(failures, root) == (
+        "The failure interrupted rank 1, rank 2, rank 3 and 4 more: their parts of the task did "
+        "not finish."
+    )

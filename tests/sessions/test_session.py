@@ -4,6 +4,7 @@ failure, a stop, an interrupt or a timeout leaves of them (real rank processes, 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import textwrap
 import threading
@@ -93,6 +94,13 @@ NB = notebook(
     def read_interrupted_at():
         return interrupted_at
 
+    def rank_one_fails_while_rank_zero_trains(folder):
+        if nbddp.rank() == 1:
+            while not os.path.exists(os.path.join(folder, "0")):  # rank 0 is under way
+                time.sleep(0.02)
+            raise ValueError("rank 1 fails mid-training")
+        training(folder)
+
     def rank_zero_waits_for_a_sleeping_peer():
         if nbddp.rank() == 0:
             dist.all_reduce(torch.ones(1))
@@ -162,6 +170,23 @@ def test_a_rank_raising_while_the_others_return_keeps_the_state(session):
         session.run(NB["rank_one_fails"], **OPTIONS)
     assert isinstance(raised.value, nbddp.WorkerError) and raised.value.rank == 1
     assert "restarted" not in str(raised.value)
+    assert session.run(count, return_all=True, **OPTIONS) == [2, 2]
+
+
+@pytest.mark.ranks
+def test_a_failure_says_which_ranks_it_interrupted_and_where(session, tmp_path):
+    """A failure interrupts the ranks still running the task; the session keeps their state,
+    so the error says which were cut short, and where: a name their part of the task would
+    have set is missing on them (stop 50 found a test that assumed it was there)."""
+    session.run(count, **OPTIONS)
+    with pytest.raises(ValueError, match="rank 1 fails mid-training") as raised:
+        session.run(NB["rank_one_fails_while_rank_zero_trains"], (str(tmp_path),), **OPTIONS)
+    message = str(raised.value)
+    assert message.startswith("rank 1 raised ValueError: rank 1 fails mid-training\n")
+    # where rank 0 was: the line in training() (no source line: the cell here is a string)
+    assert re.search(r"The failure interrupted rank 0 at \S+:\d+ in training: its part", message)
+    assert "its part of the task did not finish." in message
+    assert "restarted" not in message  # interrupted, and kept: its state is there
     assert session.run(count, return_all=True, **OPTIONS) == [2, 2]
 
 

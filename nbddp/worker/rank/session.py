@@ -35,6 +35,7 @@ from nbddp.wire import payload
 from nbddp.wire.call import loads_call, rebind_globals
 from nbddp.wire.frames import Connection, Frame
 from nbddp.wire.messages import (
+    BEFORE_THE_TASK,
     Close,
     Failed,
     Interrupt,
@@ -69,9 +70,10 @@ class _Busy:
         self.interrupted = 0
 
     def start(self, task: int) -> None:
+        __tracebackhide__ = True  # the rank's traceback ends where the task was
         self.task = task  # first: the listener, which sets ``interrupted`` first, sees one
         if self.interrupted >= task:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(BEFORE_THE_TASK)
 
     def interrupt(self, task: int) -> None:
         self.interrupted = max(self.interrupted, task)
@@ -81,6 +83,7 @@ class _Busy:
             signal.pthread_kill(main, signal.SIGINT)  # wakes a sleep, unlike a flag
 
     def on_sigint(self, signum: int, frame: Any) -> None:
+        __tracebackhide__ = True  # the rank's traceback ends where the task was
         if self.task is not None:
             raise KeyboardInterrupt
 
