@@ -114,7 +114,7 @@ class Helper:
         env = {**without_launchers(os.environ), WORKER_VARIABLE: "helper", "PYTHONUNBUFFERED": "1"}
         env[EXCLUDE_VARIABLE] = ",".join(sorted(user_excluded() | set(exclude)))
         # torch.cuda.is_available() asks NVML, not the CUDA driver, when a module calls it at
-        # import: the driver, once loaded, would make the helper unsafe to fork (a rank reads
+        # import: the driver, once started, would make the helper unsafe to fork (a rank reads
         # its own environment again)
         env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         process = subprocess.Popen(
