@@ -155,7 +155,8 @@ def interrupted_note(failures: Sequence[Failure], root: Failure) -> str:
 
 
 def where(error: BaseException) -> str:
-    """ " at FILE:LINE in FUNCTION (CODE)": the last frame of a rank's traceback, or ""."""
+    """The last frame of a rank's traceback, as ``" at FILE:LINE in FUNCTION (CODE)"``; ""
+    when it has none."""
     lines = getattr(error, "remote_traceback", "").splitlines()
     for index in range(len(lines) - 1, -1, -1):
         frame = _FRAME.match(lines[index])
