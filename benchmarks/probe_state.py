@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import sys
 
-from nbddp.worker.helper.preload import driver_started, gpu_files
+from nbddp.worker.helper.preload import driver_started, gpu_files, mapped_libraries
 
 
 def state() -> list:
-    with open("/proc/self/maps") as f:
-        mapped = {line.rsplit(" ", 1)[-1].strip() for line in f if ".so" in line}
+    mapped = mapped_libraries()
     torch = sys.modules.get("torch")
     initialised = bool(torch is not None and torch.cuda.is_initialized())
     return [

@@ -5,6 +5,7 @@ any file is written; the script needs neither nbddp nor the notebook to run."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -208,8 +209,6 @@ def test_no_rank_leaves_the_joining_before_every_rank_joined(tmp_path):
             [PYTHON, str(script)], capture_output=True, text=True, timeout=120, env=env
         )
         assert done.returncode == 0, done.stderr
-        import pickle
-
         assert pickle.loads(result.read_bytes()) == seen
 
 

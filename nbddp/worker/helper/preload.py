@@ -137,7 +137,7 @@ def tasks() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _libraries() -> set[str]:
+def mapped_libraries() -> set[str]:
     """The shared libraries this process has mapped."""
     with open("/proc/self/maps") as maps:
         return {line.rsplit(" ", 1)[-1].strip() for line in maps if ".so" in line}
@@ -194,7 +194,7 @@ class Safety:
 
     def __init__(self) -> None:
         self.tasks = tasks()
-        self.libraries = _libraries()
+        self.libraries = mapped_libraries()
         self.gpu_files = gpu_files()
 
     def broken(self, before: set[int] | None = None) -> str | None:
@@ -216,7 +216,7 @@ class Safety:
             return None
         if children() - before:
             return "it started a process"
-        libraries = _libraries()
+        libraries = mapped_libraries()
         if driver_started(libraries):  # libcuda merely loaded is harmless: torch 2.11 loads it
             return (
                 "it started the CUDA driver (cuInit): a CUDA call at import, such as "
